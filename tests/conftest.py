@@ -1,0 +1,82 @@
+"""Helpers for tests that start real launchers (torchrun, horovodrun, mpirun) as subprocesses.
+
+Every multi-process run has a timeout; on expiry the whole process group is
+killed and the test fails, so a hang can never block CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+BIN = Path(sys.executable).parent
+PYTHON = sys.executable
+TORCHRUN = str(BIN / "torchrun")
+HOROVODRUN = str(BIN / "horovodrun")
+MPIRUN = "mpirun"
+# As root, Open MPI refuses to start without these; --oversubscribe lets 3 ranks share 2 cores.
+MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+TRAIN = ["-m", "trainbridge.train"]
+
+
+def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
+                or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]:
+        del env[key]  # a test must not inherit the launcher of whoever ran pytest
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                # Open MPI's shared-memory single-copy needs ptrace rights containers lack.
+                "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None
+        ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; kill the group and fail the test on timeout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launcher_env(env), cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, (f"exit {result.returncode}: {' '.join(result.args)}\n"
+                                    f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return result
+
+
+def torchrun(nproc: int, args: List[str]) -> List[str]:
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *TRAIN, *args]
+
+
+def horovodrun(nproc: int, mode: str, args: List[str]) -> List[str]:
+    return [HOROVODRUN, "-np", str(nproc), f"--{mode}", PYTHON, *TRAIN, *args]
+
+
+def mpirun(nproc: int, args: List[str]) -> List[str]:
+    return [MPIRUN, *MPIRUN_FLAGS, "-np", str(nproc), PYTHON, *TRAIN, *args]
+
+
+def plain(args: List[str]) -> List[str]:
+    return [PYTHON, *TRAIN, *args]
+
+
+def load_final(output_dir: Path) -> dict:
+    return torch.load(output_dir / "final.pt", weights_only=True)
+
+
+def read_metrics(output_dir: Path) -> List[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

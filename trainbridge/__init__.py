@@ -1,0 +1,2 @@
+"""trainbridge: one PyTorch training loop for every launcher."""
+__version__ = "0.1.0"

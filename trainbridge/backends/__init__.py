@@ -1,0 +1,65 @@
+"""Backend registry and ``--backend auto``.
+
+A new backend is one module with a :class:`~trainbridge.backends.base.Backend`
+subclass plus one line in ``BACKENDS``.
+
+``auto`` picks by launcher (see :mod:`trainbridge.launch`):
+
+=================  =====================================================
+launcher           backend
+=================  =====================================================
+torchrun, spawn    torch
+horovodrun         horovod
+mpirun             horovod when ``horovod.torch`` imports, else torch
+srun               torch
+plain python       local
+=================  =====================================================
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict, Optional
+
+from ..errors import UserError
+from ..launch import LaunchEnv
+from .base import Backend
+
+# name -> "module:Class", imported only when chosen, so that a missing Horovod
+# never breaks the torch or local backends.
+BACKENDS: Dict[str, str] = {
+    "torch": "trainbridge.backends.torch_ddp:TorchBackend",
+    "horovod": "trainbridge.backends.horovod:HorovodBackend",
+    "local": "trainbridge.backends.local:LocalBackend",
+}
+
+AUTO_BY_LAUNCHER = {"torchrun": "torch", "spawn": "torch", "horovodrun": "horovod", "srun": "torch", "python": "local"}
+
+
+def horovod_importable() -> bool:
+    try:
+        importlib.import_module("horovod.torch")
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(requested: str, env: LaunchEnv, horovod_available: Optional[Callable[[], bool]] = None) -> str:
+    """The backend name for ``--backend requested`` under this launcher."""
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise UserError(f"unknown backend {requested!r}; choose one of auto, {', '.join(BACKENDS)}")
+        return requested
+    if env.launcher == "mpirun":
+        return "horovod" if (horovod_available or horovod_importable)() else "torch"
+    return AUTO_BY_LAUNCHER[env.launcher]
+
+
+def create_backend(requested: str, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0) -> Backend:
+    """Construct (not yet init) the backend chosen for ``requested`` under ``env``."""
+    name = choose_backend(requested, env)
+    module_name, class_name = BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(env, dist_backend=dist_backend, timeout=timeout)
+
+
+__all__ = ["Backend", "BACKENDS", "choose_backend", "create_backend"]

@@ -1,0 +1,178 @@
+"""The backend contract: everything the training loop needs from a collective library.
+
+A backend owns init/shutdown, the device, data sharding, gradient allreduce (by
+wrapping the model and optimizer), metric collectives and rank-0 I/O. The loop
+calls only these methods and never asks which backend it has.
+
+Subclasses implement the abstract collectives; the sharding and I/O helpers are
+written once here on top of them.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from typing import Any, Iterator, List, Sequence, Tuple
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from ..errors import UserError
+from ..launch import LaunchEnv
+
+REDUCE_OPS = ("sum", "mean", "max")
+
+
+class Backend(abc.ABC):
+    """One process's view of the job. Construct, then :meth:`init` before use."""
+
+    name: str = "base"
+
+    def __init__(self, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0) -> None:
+        self.env = env
+        self.dist_backend = dist_backend
+        self.timeout = timeout
+        self.device = self._pick_device()
+
+    # ----- lifecycle --------------------------------------------------------
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Join the job. Raises UserError when the ranks cannot agree."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Leave the job and release the collective library."""
+
+    # ----- rank layout ------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.env.local_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _pick_device(self) -> torch.device:
+        # One GPU per local process; the CPU when there is none.
+        if torch.cuda.is_available():
+            if self.local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"local rank {self.local_rank} has no GPU: this node has {torch.cuda.device_count()} "
+                    f"GPU(s) for {self.local_size} local processes; start at most one process per GPU"
+                )
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        if self.dist_backend == "nccl":
+            raise UserError("nccl was requested but CUDA is not available; use --dist-backend gloo (or auto) on CPUs")
+        return torch.device("cpu")
+
+    def check_world_size(self, seen: int, source: str) -> None:
+        """Fail fast when the collective library and the launcher disagree on the size."""
+        if seen != self.env.world_size:
+            raise UserError(
+                f"world size mismatch: the {self.env.launcher} launcher announced {self.env.world_size} "
+                f"processes but {source} sees {seen}; launch every rank with the same size "
+                f"(for Horovod use horovodrun or mpirun, not torchrun)"
+            )
+
+    # ----- gradient allreduce -----------------------------------------------
+    @abc.abstractmethod
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Make ``optimizer.step()`` apply gradients averaged over all ranks.
+
+        Every rank leaves with identical parameters and optimizer state.
+        """
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module, without any wrapper (state_dict keys without "module.")."""
+        return model
+
+    # ----- metric collectives -----------------------------------------------
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over ranks with ``op`` in ("sum", "mean", "max"); returns a new tensor."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+
+    def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's tensor (shapes may differ), in rank order, on this rank's device."""
+        gathered = self.allgather_object(tensor.detach().cpu())
+        return [t.to(tensor.device) for t in gathered]
+
+    # ----- data sharding ----------------------------------------------------
+    def train_sampler(self, dataset_size: int, seed: int) -> DistributedSampler:
+        """Shuffled shard of the training set; call ``set_epoch(e)`` to reshuffle each epoch.
+
+        All ranks draw one permutation from ``seed + epoch`` and rank r takes every
+        world_size-th index starting at r. Step k of the job therefore covers one
+        contiguous slice of the permutation, whatever the world size: 2 ranks with
+        batch B see the same samples per step as 1 rank with batch 2B.
+        """
+        return DistributedSampler(
+            range(dataset_size), num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=seed
+        )
+
+    def eval_shard(self, dataset_size: int) -> Sequence[int]:
+        """This rank's evaluation indices: strided, unpadded, each sample on exactly one rank.
+
+        DistributedSampler pads the last shard with repeats, which would count some
+        samples twice; here shards may differ in length by one and sums are allreduced.
+        """
+        return range(self.rank, dataset_size, self.world_size)
+
+    # ----- rank-0 I/O -------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main rank only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def save_on_main(self, obj: Any, path: str) -> None:
+        """torch.save on the main rank only; other ranks return at once."""
+        if self.is_main:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save(obj, path)
+
+    def load(self, path: str) -> Any:
+        """torch.load on every rank, onto this rank's device, without unpickling code."""
+        return torch.load(path, map_location=self.device, weights_only=True)
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Run the block on the main rank first (e.g. a download), then on the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"local_rank={self.local_rank}, device={self.device}, launcher={self.env.launcher})")
+
+

@@ -1,0 +1,39 @@
+"""One process, no collective library: the reference every distributed run must match."""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+
+from ..errors import UserError
+from .base import REDUCE_OPS, Backend
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def init(self) -> None:
+        if self.env.world_size > 1:
+            raise UserError(
+                f"--backend local runs one process, but {self.env.launcher} started {self.env.world_size}: "
+                f"each would train its own model; use --backend auto (or torch/horovod) under a launcher"
+            )
+
+    def shutdown(self) -> None:
+        pass
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        assert op in REDUCE_OPS, op
+        return tensor.clone()
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass

@@ -1,0 +1,93 @@
+"""torch.distributed: DistributedDataParallel over nccl (GPUs) or gloo (CPUs).
+
+Rendezvous: a TCPStore on rank 0's MASTER_ADDR:MASTER_PORT. torchrun and srun
+provide the address; under mpirun or horovodrun the launcher package agrees on
+one (:func:`trainbridge.launch.rendezvous_address`). Before the process group
+starts, every rank publishes the world size it was told, so that ranks that
+disagree fail with both numbers instead of waiting forever.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import UserError
+from ..launch import rendezvous_address
+from .base import REDUCE_OPS, Backend
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def init(self) -> None:
+        if self.dist_backend not in ("auto", "nccl", "gloo"):
+            raise UserError(f"--dist-backend {self.dist_backend} is not supported; use auto, nccl or gloo")
+        # nccl only with CUDA (checked in Backend._pick_device); gloo otherwise.
+        self.pg_backend = "nccl" if self.device.type == "cuda" and self.dist_backend != "gloo" else "gloo"
+        addr, port = rendezvous_address(self.env, timeout=self.timeout)
+        timeout = datetime.timedelta(seconds=self.timeout)
+        try:
+            store = dist.TCPStore(addr, port, is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
+        except Exception as exc:  # noqa: BLE001 - torch raises several types here
+            raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {self.timeout:.0f}s: "
+                            f"{str(exc).splitlines()[0]}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
+        self._agree_on_world_size(store)
+        dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
+
+    def _agree_on_world_size(self, store: "dist.Store") -> None:
+        # Every rank writes the size it was launched with; rank 0 checks all of
+        # them, the others check rank 0's. A rank that never arrives ends in the
+        # store's timeout, which names the missing rank.
+        store.set(f"trainbridge/world_size/{self.rank}", str(self.world_size))
+        ranks = range(1, self.world_size) if self.rank == 0 else [0]
+        for other in ranks:
+            try:
+                theirs = int(store.get(f"trainbridge/world_size/{other}"))
+            except Exception:  # noqa: BLE001
+                raise UserError(f"rank {other} did not join within {self.timeout:.0f}s (rank {self.rank} waited, "
+                                f"expecting {self.world_size} processes); check that every rank was started")
+            if theirs != self.world_size:
+                raise UserError(f"ranks disagree on the world size: rank {self.rank} was launched with "
+                                f"{self.world_size} processes, rank {other} with {theirs}; "
+                                f"launch every rank with the same WORLD_SIZE")
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+        # DDP broadcasts rank 0's parameters and buffers at construction, then
+        # averages gradients in buckets that overlap the backward pass.
+        # gradient_as_bucket_view avoids one gradient copy per step.
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        return ddp, optimizer
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        assert op in REDUCE_OPS, op
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=_REDUCE[op])
+        return out / self.world_size if op == "mean" else out
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()

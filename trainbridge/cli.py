@@ -1,0 +1,32 @@
+"""The ``trainbridge`` console script: ``trainbridge train ...`` and ``trainbridge doctor``."""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+USAGE = """usage: trainbridge <command> [options]
+
+commands:
+  train    train a model (same options as python -m trainbridge.train; --help for them)
+  doctor   print versions, available collective libraries and the detected launcher
+"""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from .train import main as train_main
+        return train_main(rest)
+    if command == "doctor":
+        from .doctor import main as doctor_main
+        return doctor_main()
+    print(f"trainbridge: error: unknown command {command!r}; use train or doctor", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

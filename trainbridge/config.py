@@ -1,0 +1,107 @@
+"""Command-line options of ``python -m trainbridge.train`` / ``trainbridge train``.
+
+Tests and scripts depend on these names; change them only with the README.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import List, Optional
+
+from .backends import BACKENDS
+from .errors import UserError
+from .models import MODELS
+
+DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
+DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge", "data")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    backend: str = "auto"
+    dist_backend: str = "auto"
+    model: str = "convnet-dropout"
+    dataset: str = "auto"
+    data_root: Optional[str] = None
+    epochs: int = 3
+    max_steps: Optional[int] = None
+    batch_size: int = 128
+    lr: Optional[float] = None
+    optimizer: str = "adadelta"
+    momentum: float = 0.0
+    gamma: float = 0.7
+    scale_lr: bool = False
+    seed: int = 1
+    output_dir: str = "runs/latest"
+    no_progress: bool = False
+    log_every: int = 20
+    threads: int = 0
+    timeout: float = 300.0
+    nproc: int = 1
+
+    @property
+    def base_lr(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+    def validate(self) -> None:
+        """Raise UserError for values no run could use. Runs before any process group starts."""
+        checks = [
+            (self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})"),
+            (self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
+            (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1 (got {self.max_steps})"),
+            (self.lr is None or self.lr > 0, f"--lr must be positive (got {self.lr})"),
+            (self.nproc >= 1, f"--nproc must be at least 1 (got {self.nproc})"),
+            (self.timeout > 0, f"--timeout must be positive (got {self.timeout})"),
+            (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        if self.data_root is not None and not os.path.isdir(self.data_root):
+            raise UserError(f"--data-root {self.data_root} does not exist; create it or point to the "
+                            f"folder that holds MNIST/ (omit it to use {DEFAULT_DATA_ROOT})")
+
+    @property
+    def resolved_data_root(self) -> str:
+        return self.data_root or DEFAULT_DATA_ROOT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="trainbridge train",
+        description="Train one model under any launcher: torchrun, horovodrun, mpirun, srun or plain python.",
+    )
+    p.add_argument("--backend", default=d.backend, choices=["auto", *BACKENDS],
+                   help="collective library; auto picks by launcher (default: auto)")
+    p.add_argument("--dist-backend", default=d.dist_backend, choices=["auto", "nccl", "gloo"],
+                   help="torch.distributed backend: nccl needs CUDA (default: auto = nccl on GPU, gloo on CPU)")
+    p.add_argument("--model", default=d.model, choices=list(MODELS))
+    p.add_argument("--dataset", default=d.dataset, choices=["auto", "mnist", "mnist-sample"],
+                   help="auto: MNIST from --data-root (downloaded if possible), else the embedded sample")
+    p.add_argument("--data-root", default=None, help=f"folder holding MNIST/ (default: {DEFAULT_DATA_ROOT})")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps in all")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
+    p.add_argument("--lr", type=float, default=None, help="default: 1.0 adadelta, 0.01 sgd, 1e-3 adam")
+    p.add_argument("--optimizer", default=d.optimizer, choices=list(DEFAULT_LR))
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    p.add_argument("--gamma", type=float, default=d.gamma, help="learning-rate decay per epoch (StepLR)")
+    p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--output-dir", default=d.output_dir)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="read the loss back every N steps")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="intra-op threads per process (default 0: available cores / local processes)")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds a collective may wait for another rank before the job fails")
+    p.add_argument("--nproc", type=int, default=d.nproc,
+                   help="without a launcher: spawn N local worker processes (torch backend)")
+    return p
+
+
+def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
+    args = build_parser().parse_args(argv)
+    return TrainConfig(**{k: v for k, v in vars(args).items()})

@@ -1,0 +1,9 @@
+"""The one exception type that means "the user asked for something we cannot do".
+
+Entry points catch it and print its message as a single line, with no traceback,
+then exit with status 2. The message names the problem and the fix.
+"""
+
+
+class UserError(Exception):
+    """Bad input or a bad environment: reported as one line, never as a traceback."""

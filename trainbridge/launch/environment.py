@@ -1,0 +1,39 @@
+"""What a launcher tells a process about its place in the job.
+
+Each launcher (torchrun, horovodrun, mpirun, srun, plain python, our own
+spawner) is one small module in this package exposing ``detect(environ)``, which
+returns a :class:`LaunchEnv` or ``None``. Detection only *reads* the environment;
+it never initialises a collective library.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """Rank layout as announced by the launcher, before any backend starts."""
+
+    launcher: str  # "torchrun", "horovodrun", "mpirun", "srun", "spawn" or "python"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    # Rendezvous address for torch.distributed, when the launcher provides one.
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
+    """The first of ``names`` present in ``environ``, as an int."""
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default

@@ -1,0 +1,78 @@
+"""Entry point: ``python -m trainbridge.train [options]`` under any launcher.
+
+Examples::
+
+    python -m trainbridge.train                           # one process (local backend)
+    python -m trainbridge.train --nproc 2                 # two local workers, torch backend
+    torchrun --nproc-per-node 2 -m trainbridge.train      # DDP
+    horovodrun -np 2 python -m trainbridge.train          # Horovod
+    mpirun -np 2 python -m trainbridge.train              # Horovod (or torch with --backend torch)
+
+Bad input ends with one line ``trainbridge: error: ...`` on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from .backends import create_backend
+from .config import TrainConfig, parse_config
+from .errors import UserError
+from .launch import detect_launch
+from .launch.spawn import spawn_workers
+
+
+def set_threads(requested: int, local_size: int) -> int:
+    """Intra-op threads per rank: the available cores shared among local processes.
+
+    torchrun pins every worker to 1 thread (with a warning) and Horovod sets
+    nothing, which leaves cores idle or oversubscribed.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = requested or max(1, cores // max(1, local_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def run_worker(cfg: TrainConfig) -> int:
+    """Train in this process as one rank of the job; returns the exit status."""
+    from .loop import train
+
+    env = detect_launch()
+    backend, started = None, False
+    try:
+        cfg.validate()
+        set_threads(cfg.threads, env.local_size)
+        backend = create_backend(cfg.backend, env, dist_backend=cfg.dist_backend, timeout=cfg.timeout)
+        backend.init()
+        started = True
+        train(cfg, backend)
+        return 0
+    except UserError as exc:
+        # Input errors are the same on every rank: one line from rank 0 is enough.
+        # Errors found after start-up may be seen by one rank only: every rank reports.
+        if env.rank == 0 or started:
+            print(f"trainbridge: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if backend is not None:
+            backend.shutdown()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    cfg = parse_config(argv)
+    if cfg.nproc > 1:
+        if detect_launch().launcher != "python":
+            print("trainbridge: error: --nproc is for plain python; under a launcher set the process count "
+                  "there (torchrun --nproc-per-node, horovodrun -np, mpirun -np)", file=sys.stderr)
+            return 2
+        return spawn_workers(cfg.nproc, functools.partial(run_worker, cfg))
+    return run_worker(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,8 +66,8 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(backend.device)
     optimizer = build_optimizer(cfg, model.parameters(), backend.world_size)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     model, optimizer = backend.wrap(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)  # after wrap: it patches step()
     torch.manual_seed(cfg.seed + backend.rank)  # but independent dropout masks per rank
 
     sampler = backend.train_sampler(len(data.train), cfg.seed)
@@ -83,7 +83,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                        num_batches(len(indices), cfg.batch_size), f"epoch {epoch + 1}/{cfg.epochs}",
                        enabled=backend.is_main and not cfg.no_progress)
         for images, labels in bar:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # set_to_none by default
             loss = F.cross_entropy(model(images), labels)
             loss.backward()  # DDP / Horovod hooks allreduce gradients during backward
             optimizer.step()

@@ -9,6 +9,7 @@ disagree fail with both numbers instead of waiting forever.
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, List, Tuple
 
 import torch
@@ -32,8 +33,13 @@ class TorchBackend(Backend):
         self.pg_backend = "nccl" if self.device.type == "cuda" and self.dist_backend != "gloo" else "gloo"
         addr, port = rendezvous_address(self.env, timeout=self.timeout)
         timeout = datetime.timedelta(seconds=self.timeout)
+        # Under torchrun the agent already serves the store on MASTER_PORT; every
+        # worker is a client, and a prefix per restart keeps attempts apart.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         try:
-            store = dist.TCPStore(addr, port, is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
+            store = dist.TCPStore(addr, port, is_master=self.rank == 0 and not agent_store, timeout=timeout,
+                                  wait_for_workers=False)
+            store = dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         except Exception as exc:  # noqa: BLE001 - torch raises several types here
             raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {self.timeout:.0f}s: "
                             f"{str(exc).splitlines()[0]}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")

@@ -36,6 +36,7 @@ class TrainConfig:
     output_dir: str = "runs/latest"
     no_progress: bool = False
     log_every: int = 20
+    warmup_steps: int = 5
     threads: int = 0
     timeout: float = 300.0
     nproc: int = 1
@@ -53,6 +54,7 @@ class TrainConfig:
             (self.lr is None or self.lr > 0, f"--lr must be positive (got {self.lr})"),
             (self.nproc >= 1, f"--nproc must be at least 1 (got {self.nproc})"),
             (self.timeout > 0, f"--timeout must be positive (got {self.timeout})"),
+            (self.warmup_steps >= 0, f"--warmup-steps must be at least 0 (got {self.warmup_steps})"),
             (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
         ]
         for ok, message in checks:
@@ -93,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=d.output_dir)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
     p.add_argument("--log-every", type=int, default=d.log_every, help="read the loss back every N steps")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="steps left out of the throughput and step-time figures")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="intra-op threads per process (default 0: available cores / local processes)")
     p.add_argument("--timeout", type=float, default=d.timeout,

@@ -17,7 +17,7 @@ from .backends import Backend
 from .config import TrainConfig
 from .data import MnistData, Split, iterate_batches, load_mnist, num_batches
 from .models import build_model
-from .reporting import MetricsLog, progress, set_postfix
+from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
@@ -52,6 +52,16 @@ def evaluate(model: torch.nn.Module, split: Split, backend: Backend, batch_size:
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count}
 
 
+def performance(timer: StepTimer, backend: Backend) -> Dict[str, object]:
+    """Throughput after warm-up (summed over ranks), step-time percentiles of rank 0, peak RSS per rank."""
+    timing = timer.summary()
+    per_rank = backend.allgather_object({"sps": timing["local_samples_per_second"], "rss": peak_rss_mb()})
+    rates = [r["sps"] for r in per_rank]
+    return {"samples_per_second": sum(rates) if None not in rates else None,
+            "step_time_median": timing["step_time_median"], "step_time_p90": timing["step_time_p90"],
+            "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank]}
+
+
 def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     """Train per ``cfg``; the main rank writes ``metrics.jsonl`` and ``final.pt``. Returns the last metrics."""
     started = time.time()
@@ -73,6 +83,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     sampler = backend.train_sampler(len(data.train), cfg.seed)
     metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main)
     step, samples, row = 0, 0, {}
+    timer = StepTimer(cfg.warmup_steps)
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
         indices = list(sampler)
@@ -90,11 +101,13 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
             loss_sum += loss.detach() * len(labels)
             seen += len(labels)
             step += 1
+            timer.tick(len(labels))
             if step % cfg.log_every == 0:
                 set_postfix(bar, loss=loss.item())
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 break
         scheduler.step()
+        timer.pause()
 
         train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
         samples += int(train_seen)
@@ -108,7 +121,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
         if cfg.max_steps is not None and step >= cfg.max_steps:
             break
 
-    final = {**row, "event": "final", "seconds": round(time.time() - started, 3)}
+    final = {**row, "event": "final", "seconds": round(time.time() - started, 3), **performance(timer, backend)}
     metrics.write(final)
     backend.save_on_main({"model": backend.unwrap(model).state_dict(), "step": step, "epoch": row["epoch"],
                           "backend": backend.name, "world_size": backend.world_size,

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import statistics
 import sys
+import time
 from typing import Any, Dict, Iterable, Optional
 
 from tqdm import tqdm
@@ -34,3 +37,43 @@ def progress(iterable: Iterable, total: int, description: str, enabled: bool) ->
 def set_postfix(bar: Any, **values: Optional[float]) -> None:
     if isinstance(bar, tqdm):
         bar.set_postfix({k: f"{v:.4f}" for k, v in values.items() if v is not None}, refresh=False)
+
+
+class StepTimer:
+    """Wall time of each optimizer step after a warm-up, for throughput and step-time percentiles.
+
+    Timing the gap between steps needs no device sync: on a GPU the queue
+    back-pressure makes the average honest over many steps.
+    """
+
+    def __init__(self, warmup_steps: int = 5) -> None:
+        self.warmup_steps = warmup_steps
+        self.durations: list = []
+        self.samples_after_warmup = 0
+        self._last: Optional[float] = None
+        self._steps = 0
+
+    def tick(self, batch_samples: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None and self._steps >= self.warmup_steps:
+            self.durations.append(now - self._last)
+            self.samples_after_warmup += batch_samples
+        self._last = now
+        self._steps += 1
+
+    def pause(self) -> None:
+        """Evaluation and logging between epochs are not training steps."""
+        self._last = None
+
+    def summary(self) -> Dict[str, Optional[float]]:
+        if not self.durations:
+            return {"step_time_median": None, "step_time_p90": None, "local_samples_per_second": None}
+        ordered = sorted(self.durations)
+        return {"step_time_median": statistics.median(ordered),
+                "step_time_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                "local_samples_per_second": self.samples_after_warmup / sum(ordered)}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

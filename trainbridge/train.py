@@ -43,7 +43,7 @@ def run_worker(cfg: TrainConfig) -> int:
     from .loop import train
 
     env = detect_launch()
-    backend, started = None, False
+    backend, started, finished = None, False, False
     try:
         cfg.validate()
         set_threads(cfg.threads, env.local_size)
@@ -51,6 +51,7 @@ def run_worker(cfg: TrainConfig) -> int:
         backend.init()
         started = True
         train(cfg, backend)
+        finished = True
         return 0
     except UserError as exc:
         # Input errors are the same on every rank: one line from rank 0 is enough.
@@ -60,7 +61,7 @@ def run_worker(cfg: TrainConfig) -> int:
         return 2
     finally:
         if backend is not None:
-            backend.shutdown()
+            backend.shutdown(clean=finished)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -40,8 +40,11 @@ class Backend(abc.ABC):
         """Join the job. Raises UserError when the ranks cannot agree."""
 
     @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Leave the job and release the collective library."""
+    def shutdown(self, clean: bool = True) -> None:
+        """Leave the job and release the collective library.
+
+        ``clean=False`` after a failure: skip anything that waits for other ranks.
+        """
 
     # ----- rank layout ------------------------------------------------------
     @property

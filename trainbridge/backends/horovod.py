@@ -47,7 +47,7 @@ class HorovodBackend(Backend):
         self.hvd.init()
         self.check_world_size(self.hvd.size(), "Horovod")
 
-    def shutdown(self) -> None:
+    def shutdown(self, clean: bool = True) -> None:
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 

@@ -19,7 +19,7 @@ class LocalBackend(Backend):
                 f"each would train its own model; use --backend auto (or torch/horovod) under a launcher"
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, clean: bool = True) -> None:
         pass
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -64,8 +64,12 @@ class TorchBackend(Backend):
                                 f"{self.world_size} processes, rank {other} with {theirs}; "
                                 f"launch every rank with the same WORLD_SIZE")
 
-    def shutdown(self) -> None:
+    def shutdown(self, clean: bool = True) -> None:
         if dist.is_initialized():
+            if clean:
+                # Leave together: a rank that tears gloo down while a peer still
+                # talks to it can abort ("terminate called without an active exception").
+                dist.barrier()
             dist.destroy_process_group()
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -12,6 +12,7 @@ from typing import List, Optional
 from .backends import BACKENDS
 from .errors import UserError
 from .models import MODELS
+from .tasks import TASKS
 
 DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
 DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge", "data")
@@ -19,16 +20,18 @@ DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge
 
 @dataclasses.dataclass
 class TrainConfig:
+    task: str = "mnist"
     backend: str = "auto"
     dist_backend: str = "auto"
-    model: str = "convnet-dropout"
+    model: Optional[str] = None
     dataset: str = "auto"
     data_root: Optional[str] = None
     epochs: int = 3
     max_steps: Optional[int] = None
     batch_size: int = 128
     lr: Optional[float] = None
-    optimizer: str = "adadelta"
+    optimizer: Optional[str] = None
+    scheduler: Optional[str] = None
     momentum: float = 0.0
     gamma: float = 0.7
     scale_lr: bool = False
@@ -41,9 +44,18 @@ class TrainConfig:
     timeout: float = 300.0
     nproc: int = 1
 
-    @property
-    def base_lr(self) -> float:
-        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+    def apply_task_defaults(self, task) -> None:
+        """Fill options left unset with the task's defaults (model, optimizer, lr, scheduler)."""
+        if self.model is None:
+            self.model = task.default_model
+        if self.optimizer is None:
+            self.optimizer, default_lr = task.default_optimizer, task.default_lr
+        else:
+            default_lr = DEFAULT_LR[self.optimizer]
+        if self.lr is None:
+            self.lr = default_lr
+        if self.scheduler is None:
+            self.scheduler = task.default_scheduler
 
     def validate(self) -> None:
         """Raise UserError for values no run could use. Runs before any process group starts."""
@@ -75,19 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trainbridge train",
         description="Train one model under any launcher: torchrun, horovodrun, mpirun, srun or plain python.",
     )
+    p.add_argument("--task", default=d.task, choices=list(TASKS), help="workload (default: mnist)")
     p.add_argument("--backend", default=d.backend, choices=["auto", *BACKENDS],
                    help="collective library; auto picks by launcher (default: auto)")
     p.add_argument("--dist-backend", default=d.dist_backend, choices=["auto", "nccl", "gloo"],
                    help="torch.distributed backend: nccl needs CUDA (default: auto = nccl on GPU, gloo on CPU)")
-    p.add_argument("--model", default=d.model, choices=list(MODELS))
+    p.add_argument("--model", default=None, choices=list(MODELS), help="default: the task's (mnist: convnet-dropout)")
     p.add_argument("--dataset", default=d.dataset, choices=["auto", "mnist", "mnist-sample"],
                    help="auto: MNIST from --data-root (downloaded if possible), else the embedded sample")
     p.add_argument("--data-root", default=None, help=f"folder holding MNIST/ (default: {DEFAULT_DATA_ROOT})")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
-    p.add_argument("--lr", type=float, default=None, help="default: 1.0 adadelta, 0.01 sgd, 1e-3 adam")
-    p.add_argument("--optimizer", default=d.optimizer, choices=list(DEFAULT_LR))
+    p.add_argument("--lr", type=float, default=None,
+                   help="default: the task's, else 1.0 adadelta, 0.01 sgd, 1e-3 adam")
+    p.add_argument("--optimizer", default=None, choices=list(DEFAULT_LR), help="default: the task's (mnist: adadelta)")
+    p.add_argument("--scheduler", default=None, choices=["step", "plateau"],
+                   help="step: StepLR by --gamma each epoch; plateau: ReduceLROnPlateau on the global val loss")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning-rate decay per epoch (StepLR)")
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")

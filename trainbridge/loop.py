@@ -1,8 +1,8 @@
-"""The training loop, written once for every backend.
+"""The training loop, written once for every backend and every task.
 
-Reads top to bottom: load data (main rank first), build the model with the same
-seed on every rank, let the backend wrap model and optimizer so that ``step()``
-applies globally averaged gradients, then train and evaluate exactly.
+Reads top to bottom: prepare the data (main rank first), build the model with
+the same seed on every rank, let the backend wrap model and optimizer so that
+``step()`` applies globally averaged gradients, then train and evaluate exactly.
 """
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ import time
 from typing import Dict
 
 import torch
-import torch.nn.functional as F
 
 from .backends import Backend
 from .config import TrainConfig
-from .data import MnistData, Split, iterate_batches, load_mnist, num_batches
-from .models import build_model
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
+from .tasks import Task, create_task
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
     # --scale-lr: with N ranks the global batch is N times larger (Goyal et al.).
-    lr = cfg.base_lr * (world_size if cfg.scale_lr else 1)
+    lr = cfg.lr * (world_size if cfg.scale_lr else 1)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
@@ -30,8 +28,14 @@ def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Op
     return torch.optim.Adadelta(params, lr=lr)
 
 
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
+    if cfg.scheduler == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=2)
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, split: Split, backend: Backend, batch_size: int) -> Dict[str, float]:
+def evaluate(model: torch.nn.Module, task: Task, split: str, backend: Backend, batch_size: int) -> Dict[str, float]:
     """Exact loss and accuracy over the whole split, whatever the world size.
 
     ``model`` must be the unwrapped module: under DDP a forward pass of the
@@ -41,15 +45,16 @@ def evaluate(model: torch.nn.Module, split: Split, backend: Backend, batch_size:
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=backend.device)  # loss sum, correct, count
-    for images, labels in iterate_batches(split, backend.eval_shard(len(split)), batch_size, backend.device):
+    indices = backend.eval_shard(task.eval_size(split))
+    for images, labels in task.eval_loader(split, indices, batch_size, backend.device):
         logits = model(images)
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+        totals[0] += task.loss(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
     # Each sample was seen by exactly one rank, so global sums are exact.
     loss_sum, correct, count = backend.allreduce(totals, "sum").tolist()
     model.train(was_training)
-    return {"val_loss": loss_sum / count, "val_accuracy": correct / count}
+    return {f"{split}_loss": loss_sum / count, f"{split}_accuracy": correct / count}
 
 
 def performance(timer: StepTimer, backend: Backend) -> Dict[str, object]:
@@ -65,37 +70,35 @@ def performance(timer: StepTimer, backend: Backend) -> Dict[str, object]:
 def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     """Train per ``cfg``; the main rank writes ``metrics.jsonl`` and ``final.pt``. Returns the last metrics."""
     started = time.time()
+    task = create_task(cfg.task)
+    cfg.apply_task_defaults(task)
     with backend.main_first():  # a download happens once, on the main rank
-        data: MnistData = load_mnist(cfg.dataset, cfg.resolved_data_root, note=backend.print)
-    backend.print(f"[trainbridge] {data.source}; backend={backend.name} world_size={backend.world_size} "
+        source = task.prepare(cfg, note=backend.print)
+    backend.print(f"[trainbridge] {source}; backend={backend.name} world_size={backend.world_size} "
                   f"launcher={backend.env.launcher} device={backend.device}")
-    if backend.device.type == "cuda":  # gather batches on the GPU, no per-step host copy
-        data = MnistData(*(Split(s.images.to(backend.device), s.labels.to(backend.device)) for s in data[:2]),
-                         data.source)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model).to(backend.device)
-    optimizer = build_optimizer(cfg, model.parameters(), backend.world_size)
+    model = task.build_model(cfg).to(backend.device)
+    optimizer = build_optimizer(cfg, task.trainable_parameters(model), backend.world_size)
     model, optimizer = backend.wrap(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)  # after wrap: it patches step()
+    scheduler = build_scheduler(cfg, optimizer)  # after wrap: schedulers patch optimizer.step
     torch.manual_seed(cfg.seed + backend.rank)  # but independent dropout masks per rank
 
-    sampler = backend.train_sampler(len(data.train), cfg.seed)
+    sampler = backend.train_sampler(task.train_size, cfg.seed)
+    batches = task.train_loader(sampler, cfg.batch_size, backend.device)
     metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main)
-    step, samples, row = 0, 0, {}
     timer = StepTimer(cfg.warmup_steps)
+    step, samples, row = 0, 0, {}
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
-        indices = list(sampler)
         model.train()
         loss_sum = torch.zeros((), device=backend.device)  # summed on the device: no host sync per step
         seen = torch.zeros((), device=backend.device)
-        bar = progress(iterate_batches(data.train, indices, cfg.batch_size, backend.device),
-                       num_batches(len(indices), cfg.batch_size), f"epoch {epoch + 1}/{cfg.epochs}",
+        bar = progress(batches, len(batches), f"epoch {epoch + 1}/{cfg.epochs}",
                        enabled=backend.is_main and not cfg.no_progress)
         for images, labels in bar:
             optimizer.zero_grad()  # set_to_none by default
-            loss = F.cross_entropy(model(images), labels)
+            loss = task.loss(model(images), labels)
             loss.backward()  # DDP / Horovod hooks allreduce gradients during backward
             optimizer.step()
             loss_sum += loss.detach() * len(labels)
@@ -106,15 +109,17 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                 set_postfix(bar, loss=loss.item())
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 break
-        scheduler.step()
         timer.pause()
 
         train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
         samples += int(train_seen)
         row = {"epoch": epoch + 1, "step": step, "train_loss": train_loss_sum / max(train_seen, 1),
-               **evaluate(backend.unwrap(model), data.val, backend, cfg.batch_size),
-               "backend": backend.name, "world_size": backend.world_size, "launcher": backend.env.launcher,
-               "seconds": round(time.time() - started, 3), "samples": samples}
+               **evaluate(backend.unwrap(model), task, "val", backend, cfg.batch_size),
+               "lr": optimizer.param_groups[0]["lr"], "backend": backend.name, "world_size": backend.world_size,
+               "launcher": backend.env.launcher, "seconds": round(time.time() - started, 3), "samples": samples}
+        # The plateau scheduler steps on the globally reduced validation loss, so
+        # every rank takes the same decision and learning rates never diverge.
+        scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else scheduler.step()
         metrics.write(row)
         backend.print(f"[trainbridge] epoch {row['epoch']} step {step}: train_loss {row['train_loss']:.4f} "
                       f"val_loss {row['val_loss']:.4f} val_accuracy {row['val_accuracy']:.4f}")

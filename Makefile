@@ -10,7 +10,7 @@ setup:
 # Main job: 2-process MNIST training (torchrun, DDP/gloo) on the embedded data.
 run: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m trainbridge.train \
-		--dataset auto --model convnet-dropout --epochs 8 --batch-size 64 --no-progress \
+		--dataset auto --model convnet-dropout --epochs 10 --batch-size 64 --gamma 0.8 --no-progress \
 		--output-dir runs/mnist
 
 test: setup

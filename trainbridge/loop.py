@@ -111,6 +111,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                 break
         timer.pause()
 
+        backend.sync_buffers(backend.unwrap(model))  # evaluate and save one set of BatchNorm statistics
         train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
         samples += int(train_seen)
         row = {"epoch": epoch + 1, "step": step, "train_loss": train_loss_sum / max(train_seen, 1),

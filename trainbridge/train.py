@@ -22,7 +22,7 @@ import torch
 from .backends import create_backend
 from .config import TrainConfig, parse_config
 from .errors import UserError
-from .launch import detect_launch
+from .launch import detect_launch, report_error
 from .launch.spawn import spawn_workers
 
 
@@ -43,21 +43,20 @@ def run_worker(cfg: TrainConfig) -> int:
     from .loop import train
 
     env = detect_launch()
-    backend, started, finished = None, False, False
+    backend, finished = None, False
     try:
         cfg.validate()
         set_threads(cfg.threads, env.local_size)
         backend = create_backend(cfg.backend, env, dist_backend=cfg.dist_backend, timeout=cfg.timeout)
         backend.init()
-        started = True
         train(cfg, backend)
         finished = True
         return 0
     except UserError as exc:
-        # Input errors are the same on every rank: one line from rank 0 is enough.
-        # Errors found after start-up may be seen by one rank only: every rank reports.
-        if env.rank == 0 or started:
-            print(f"trainbridge: error: {exc}", file=sys.stderr, flush=True)
+        # Input and launcher errors are the same on every rank: one line from rank 0
+        # is enough. Once the backend exists, an error may be one rank's: each reports.
+        if env.rank == 0 or backend is not None:
+            report_error(str(exc))
         return 2
     finally:
         if backend is not None:
@@ -68,8 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = parse_config(argv)
     if cfg.nproc > 1:
         if detect_launch().launcher != "python":
-            print("trainbridge: error: --nproc is for plain python; under a launcher set the process count "
-                  "there (torchrun --nproc-per-node, horovodrun -np, mpirun -np)", file=sys.stderr)
+            report_error("--nproc is for plain python; under a launcher set the process count there "
+                         "(torchrun --nproc-per-node, horovodrun -np, mpirun -np)")
             return 2
         return spawn_workers(cfg.nproc, functools.partial(run_worker, cfg))
     return run_worker(cfg)

@@ -32,7 +32,11 @@ class Backend(abc.ABC):
         self.env = env
         self.dist_backend = dist_backend
         self.timeout = timeout
+        self.check_launch()
         self.device = self._pick_device()
+
+    def check_launch(self) -> None:
+        """Refuse a launcher this backend cannot run under (same answer on every rank)."""
 
     # ----- lifecycle --------------------------------------------------------
     @abc.abstractmethod
@@ -122,6 +126,19 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank gets here."""
+
+    @abc.abstractmethod
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` in place with rank ``src``'s."""
+
+    def sync_buffers(self, model: torch.nn.Module) -> None:
+        """Give every rank rank 0's buffers (e.g. BatchNorm running statistics).
+
+        Each rank updates its buffers from its own batches, so after the last
+        training step they differ; evaluation and the saved model must use one set.
+        """
+        for buffer in model.buffers():
+            self.broadcast_(buffer, src=0)
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's tensor (shapes may differ), in rank order, on this rank's device."""

@@ -29,7 +29,7 @@ def import_horovod():
 class HorovodBackend(Backend):
     name = "horovod"
 
-    def init(self) -> None:
+    def check_launch(self) -> None:
         if self.env.launcher in ("torchrun", "spawn"):
             # Horovod ignores torchrun's variables: each process would see size 1
             # and silently train its own model.
@@ -38,6 +38,8 @@ class HorovodBackend(Backend):
                 f"{self.env.world_size} processes; launch with horovodrun -np {self.env.world_size} (or mpirun), "
                 f"or use --backend torch under torchrun"
             )
+
+    def init(self) -> None:
         # A rank that dies must not leave the others waiting forever: Horovod's
         # stall check only warns by default, so make it shut the job down.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(self.timeout // 2))))
@@ -75,6 +77,9 @@ class HorovodBackend(Backend):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=src)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.hvd.broadcast_(tensor, root_rank=src)
 
     def barrier(self) -> None:
         self.hvd.barrier()

@@ -12,12 +12,15 @@ from .base import REDUCE_OPS, Backend
 class LocalBackend(Backend):
     name = "local"
 
-    def init(self) -> None:
+    def check_launch(self) -> None:
         if self.env.world_size > 1:
             raise UserError(
                 f"--backend local runs one process, but {self.env.launcher} started {self.env.world_size}: "
                 f"each would train its own model; use --backend auto (or torch/horovod) under a launcher"
             )
+
+    def init(self) -> None:
+        pass
 
     def shutdown(self, clean: bool = True) -> None:
         pass
@@ -34,6 +37,9 @@ class LocalBackend(Backend):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        pass
 
     def barrier(self) -> None:
         pass

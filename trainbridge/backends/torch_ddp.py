@@ -99,5 +99,8 @@ class TorchBackend(Backend):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        dist.broadcast(tensor, src=src)
+
     def barrier(self) -> None:
         dist.barrier()

@@ -12,6 +12,7 @@ Detection order (first match wins):
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping, Optional
 
 from . import horovodrun, mpi, slurm, torchelastic
@@ -19,6 +20,13 @@ from .environment import LaunchEnv
 from .rendezvous import rendezvous_address
 
 DETECTORS = (torchelastic, horovodrun, mpi, slurm)
+
+
+def report_error(message: str) -> None:
+    """Print ``trainbridge: error: message`` as one line, and hand it to the launcher if it collects errors."""
+    line = f"trainbridge: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    torchelastic.record_error(line)
 
 
 def detect_launch(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
@@ -31,4 +39,4 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     return LaunchEnv(launcher="python")
 
 
-__all__ = ["LaunchEnv", "detect_launch", "rendezvous_address"]
+__all__ = ["LaunchEnv", "detect_launch", "rendezvous_address", "report_error"]

@@ -7,6 +7,9 @@ MASTER_ADDR, MASTER_PORT and TORCHELASTIC_RUN_ID. Our own spawner
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Mapping, Optional
 
 from .environment import LaunchEnv, read_int
@@ -25,3 +28,16 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         master_addr=environ.get("MASTER_ADDR"),
         master_port=read_int(environ, "MASTER_PORT"),
     )
+
+
+def record_error(message: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Hand a worker's one-line error to torchrun, which shows it in its failure summary.
+
+    torchrun reads TORCHELASTIC_ERROR_FILE in the format of
+    ``torch.distributed.elastic.multiprocessing.errors.record``.
+    """
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                      "timestamp": str(int(time.time()))}}}, f)

@@ -1,0 +1,36 @@
+"""The tutorial models have the documented architectures."""
+import pytest
+import torch
+from torch import nn
+
+from trainbridge.errors import UserError
+from trainbridge.models import MODELS, build_model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_for_a_batch_of_digits(name):
+    out = build_model(name)(torch.randn(4, 1, 28, 28))
+    assert out.shape == (4, 10)
+
+
+def layers(model, kind):
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def test_architectures():
+    bn = build_model("convnet-bn")
+    assert [c.kernel_size for c in layers(bn, nn.Conv2d)] == [(5, 5), (5, 5)]
+    assert len(layers(bn, nn.BatchNorm2d)) == 2 and layers(bn, nn.Linear)[0].in_features == 1568
+    drop = build_model("convnet-dropout")
+    assert [(l.in_features, l.out_features) for l in layers(drop, nn.Linear)] == [(4608, 64), (64, 10)]
+    assert layers(drop, nn.Dropout) and not layers(drop, nn.Dropout2d)
+    mlp = build_model("mlp")
+    assert [(l.in_features, l.out_features) for l in layers(mlp, nn.Linear)] == [(784, 128), (128, 128), (128, 10)]
+    assert all(d.p == 0.2 for d in layers(mlp, nn.Dropout))
+    plain = build_model("plaincnn")
+    assert not layers(plain, nn.Dropout) and not layers(plain, nn.BatchNorm2d)
+
+
+def test_unknown_model():
+    with pytest.raises(UserError, match="unknown model"):
+        build_model("vgg")

@@ -1,13 +1,13 @@
 """Training sampler and evaluation shards: pure functions of (rank, world size, seed, epoch)."""
 import pytest
 
-from trainbridge.backends.local import LocalBackend
+from trainbridge.backends.torch_ddp import TorchBackend
 from trainbridge.launch import LaunchEnv
 
 
-def backend(rank: int, world: int) -> LocalBackend:
-    # Sharding helpers live in the Backend base and need no collective library.
-    return LocalBackend(LaunchEnv("torchrun", rank=rank, world_size=world))
+def backend(rank: int, world: int) -> TorchBackend:
+    # Sharding helpers live in the Backend base and need no process group (no init).
+    return TorchBackend(LaunchEnv("torchrun", rank=rank, world_size=world))
 
 
 @pytest.mark.parametrize("world,size", [(1, 10), (2, 1000), (3, 1000), (4, 7), (5, 3)])
@@ -42,3 +42,37 @@ def test_step_k_sees_the_same_samples_for_2_ranks_of_b_and_1_rank_of_2b():
     for k in range(96 // (2 * b)):
         two = set(per_rank[0][k * b:(k + 1) * b]) | set(per_rank[1][k * b:(k + 1) * b])
         assert two == set(whole[k * 2 * b:(k + 1) * 2 * b])
+
+
+@pytest.mark.parametrize("world,size", [(1, 100), (2, 100), (3, 100), (4, 101)])
+def test_same_order_as_torch_distributed_sampler(world, size):
+    from torch.utils.data import DistributedSampler
+
+    for rank in range(world):
+        ours = backend(rank, world).train_sampler(size, seed=11)
+        theirs = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=11)
+        ours.set_epoch(3)
+        theirs.set_epoch(3)
+        assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+def test_resume_position_continues_with_the_unseen_indices():
+    b, world, steps_done = 5, 2, 3
+    full = [backend(r, world).train_sampler(60, seed=2) for r in range(world)]
+    resumed = [backend(r, world).train_sampler(60, seed=2) for r in range(world)]
+    for s in full:
+        s.set_epoch(1)
+    for s in resumed:
+        s.set_epoch(1, position=steps_done * world * b)
+    for f, r in zip(full, resumed):
+        assert list(r) == list(f)[steps_done * b:] and len(r) == len(list(r))
+
+
+def test_resume_at_another_world_size_sees_each_remaining_sample_once():
+    old = backend(0, 1).train_sampler(60, seed=2)
+    old.set_epoch(0)
+    order = list(old)
+    new = [backend(r, 3).train_sampler(60, seed=2) for r in range(3)]
+    for s in new:
+        s.set_epoch(0, position=20)
+    assert sorted(i for s in new for i in s) == sorted(order[20:])

@@ -43,6 +43,10 @@ class TrainConfig:
     threads: int = 0
     timeout: float = 300.0
     nproc: int = 1
+    checkpoint_every: int = 0
+    resume: str = "auto"
+    fail_at_step: Optional[int] = None
+    fail_rank: int = 1
 
     def apply_task_defaults(self, task) -> None:
         """Fill options left unset with the task's defaults (model, optimizer, lr, scheduler)."""
@@ -67,6 +71,9 @@ class TrainConfig:
             (self.nproc >= 1, f"--nproc must be at least 1 (got {self.nproc})"),
             (self.timeout > 0, f"--timeout must be positive (got {self.timeout})"),
             (self.warmup_steps >= 0, f"--warmup-steps must be at least 0 (got {self.warmup_steps})"),
+            (self.checkpoint_every >= 0, f"--checkpoint-every must be at least 0 (got {self.checkpoint_every})"),
+            (self.fail_at_step is None or self.fail_at_step >= 1,
+             f"--fail-at-step must be at least 1 (got {self.fail_at_step})"),
             (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
         ]
         for ok, message in checks:
@@ -116,7 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="intra-op threads per process (default 0: available cores / local processes)")
     p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds a collective may wait for another rank before the job fails")
+                   help="seconds a rank may wait for the others (collectives, rendezvous) before the job "
+                        "fails with an error (default 300)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="also write DIR/last.pt every N steps (default 0: at every epoch end only)")
+    p.add_argument("--resume", default=d.resume,
+                   help="auto (default): continue from DIR/last.pt when it exists; never; or a checkpoint PATH")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: one rank exits abruptly before step N, once (a marker file in DIR)")
+    p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="the rank --fail-at-step kills (default 1)")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="without a launcher: spawn N local worker processes (torch backend)")
     return p

@@ -6,4 +6,11 @@ then exit with status 2. The message names the problem and the fix.
 
 
 class UserError(Exception):
-    """Bad input or a bad environment: reported as one line, never as a traceback."""
+    """Bad input or a bad environment: reported as one line, never as a traceback.
+
+    ``quiet=True`` marks a copy of an error another rank already reported.
+    """
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet

@@ -1,21 +1,33 @@
 """The training loop, written once for every backend and every task.
 
 Reads top to bottom: prepare the data (main rank first), build the model with
-the same seed on every rank, let the backend wrap model and optimizer so that
-``step()`` applies globally averaged gradients, then train and evaluate exactly.
+the same seed on every rank, resume from a checkpoint when there is one, let the
+backend wrap model and optimizer so that ``step()`` applies globally averaged
+gradients, then train, checkpoint and evaluate exactly.
+
+What survives a restart (see :mod:`trainbridge.checkpoint` and
+:mod:`trainbridge.train_state`): model, optimizer, scheduler, epoch and position
+in the epoch's shuffled order, step count, every rank's RNG state and the best
+metric. A resumed run continues at the next unseen batch, so with the same world
+size it ends with bitwise the same weights as an uninterrupted run.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from .backends import Backend
+from .checkpoint import BEST, LAST, PREVIOUS, atomic_save, choose_resume, load_model_state, read_checkpoint
 from .config import TrainConfig
+from .errors import UserError
+from .fault_tolerance import Preempted, StopSignal, maybe_fail
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
+from .train_state import Progress, TrainState, rng_state, set_rng_state
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
@@ -67,8 +79,42 @@ def performance(timer: StepTimer, backend: Backend) -> Dict[str, object]:
             "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank]}
 
 
+def find_checkpoint(cfg: TrainConfig, backend: Backend) -> Optional[dict]:
+    """The checkpoint to resume from, the same on every rank, or None for a fresh start.
+
+    The main rank chooses (and may move a corrupt file aside); every rank then
+    loads the chosen file itself.
+    """
+    def choose():
+        try:
+            return "ok", choose_resume(cfg.resume, cfg.output_dir, note=backend.print)[0]
+        except UserError as exc:
+            return "error", str(exc)
+
+    status, path = backend.decide_on_main(choose)
+    if status == "error":
+        raise UserError(path, quiet=not backend.is_main)
+    if path is None:
+        return None
+    checkpoint = read_checkpoint(path)
+    checkpoint["path"] = path
+    return checkpoint
+
+
+def save_checkpoint(cfg: TrainConfig, backend: Backend, state: TrainState, best: bool = False) -> None:
+    """Write last.pt (and best.pt) on rank 0. Every rank must call it: RNG states are gathered."""
+    rng_states = backend.allgather_object(rng_state())
+    if not backend.is_main:
+        return
+    checkpoint = state.checkpoint(rng_states=rng_states, config=dataclasses.asdict(cfg), backend=backend.name,
+                                  world_size=backend.world_size, batch_size=cfg.batch_size)
+    atomic_save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
+    if best:
+        atomic_save(checkpoint, os.path.join(cfg.output_dir, BEST))
+
+
 def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
-    """Train per ``cfg``; the main rank writes ``metrics.jsonl`` and ``final.pt``. Returns the last metrics."""
+    """Train per ``cfg``; the main rank writes checkpoints, ``metrics.jsonl`` and ``final.pt``."""
     started = time.time()
     task = create_task(cfg.task)
     cfg.apply_task_defaults(task)
@@ -80,58 +126,122 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = task.build_model(cfg).to(backend.device)
     optimizer = build_optimizer(cfg, task.trainable_parameters(model), backend.world_size)
+    checkpoint = find_checkpoint(cfg, backend)
+    progress_ = Progress()
+    if checkpoint is not None:
+        load_model_state(model, checkpoint["model"], checkpoint["path"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        progress_ = Progress(**checkpoint["progress"])
     model, optimizer = backend.wrap(model, optimizer)
     scheduler = build_scheduler(cfg, optimizer)  # after wrap: schedulers patch optimizer.step
-    torch.manual_seed(cfg.seed + backend.rank)  # but independent dropout masks per rank
-
-    sampler = backend.train_sampler(task.train_size, cfg.seed)
-    batches = task.train_loader(sampler, cfg.batch_size, backend.device)
-    metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main)
+    if checkpoint is not None:
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        rngs = checkpoint["rng"]["torch"]
+        if len(rngs) == backend.world_size:
+            set_rng_state(rngs[backend.rank])
+        else:  # another world size: fresh but reproducible per-rank streams
+            torch.manual_seed(cfg.seed + backend.rank + 1_000_003 * progress_.step)
+        backend.print(f"[trainbridge] resuming from {checkpoint['path']} (written by {checkpoint['backend']} with "
+                      f"{checkpoint['world_size']} processes): epoch {progress_.epoch + 1}, "
+                      f"sample {progress_.position} of the epoch, step {progress_.step}")
+    else:
+        torch.manual_seed(cfg.seed + backend.rank)  # independent dropout masks per rank
+    state = TrainState(backend.unwrap(model), optimizer, scheduler, progress_)
+    metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main, append=checkpoint is not None)
     timer = StepTimer(cfg.warmup_steps)
-    step, samples, row = 0, 0, {}
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
-        model.train()
-        loss_sum = torch.zeros((), device=backend.device)  # summed on the device: no host sync per step
-        seen = torch.zeros((), device=backend.device)
-        bar = progress(batches, len(batches), f"epoch {epoch + 1}/{cfg.epochs}",
-                       enabled=backend.is_main and not cfg.no_progress)
-        for images, labels in bar:
-            optimizer.zero_grad()  # set_to_none by default
-            loss = task.loss(model(images), labels)
-            loss.backward()  # DDP / Horovod hooks allreduce gradients during backward
-            optimizer.step()
-            loss_sum += loss.detach() * len(labels)
-            seen += len(labels)
-            step += 1
-            timer.tick(len(labels))
-            if step % cfg.log_every == 0:
-                set_postfix(bar, loss=loss.item())
-            if cfg.max_steps is not None and step >= cfg.max_steps:
-                break
-        timer.pause()
 
-        backend.sync_buffers(backend.unwrap(model))  # evaluate and save one set of BatchNorm statistics
-        train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
-        samples += int(train_seen)
-        row = {"epoch": epoch + 1, "step": step, "train_loss": train_loss_sum / max(train_seen, 1),
-               **evaluate(backend.unwrap(model), task, "val", backend, cfg.batch_size),
-               "lr": optimizer.param_groups[0]["lr"], "backend": backend.name, "world_size": backend.world_size,
-               "launcher": backend.env.launcher, "seconds": round(time.time() - started, 3), "samples": samples}
-        # The plateau scheduler steps on the globally reduced validation loss, so
-        # every rank takes the same decision and learning rates never diverge.
-        scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else scheduler.step()
-        metrics.write(row)
-        backend.print(f"[trainbridge] epoch {row['epoch']} step {step}: train_loss {row['train_loss']:.4f} "
-                      f"val_loss {row['val_loss']:.4f} val_accuracy {row['val_accuracy']:.4f}")
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            break
+    def run_epochs() -> Dict[str, float]:
+        # Re-entered by Horovod elastic after a failure: the world may have changed,
+        # so the sampler and the stop agreement are built here, from the live backend.
+        sampler = backend.train_sampler(task.train_size, cfg.seed)
+        batches = task.train_loader(sampler, cfg.batch_size, backend.device)
+        stop = StopSignal(backend.allreduce_async)
+        row: Dict[str, float] = {}
+        p = state.progress
+        while p.epoch < cfg.epochs and not reached(cfg, p):
+            sampler.set_epoch(p.epoch, p.position)  # a new shuffle per epoch, the same on every rank
+            model.train()
+            loss_sum = torch.zeros((), device=backend.device)  # summed on the device: no host sync per step
+            seen = torch.zeros((), device=backend.device)
+            bar = progress(batches, len(batches), f"epoch {p.epoch + 1}/{cfg.epochs}",
+                           enabled=backend.is_main and not cfg.no_progress)
+            for images, labels in bar:
+                maybe_fail(cfg.fail_at_step, cfg.fail_rank, backend.rank, p.step + 1, cfg.output_dir)
+                optimizer.zero_grad()  # set_to_none by default
+                loss = task.loss(model(images), labels)
+                loss.backward()  # DDP / Horovod hooks allreduce gradients during backward
+                optimizer.step()
+                loss_sum += loss.detach() * len(labels)
+                seen += len(labels)
+                p.step += 1
+                consumed = min(cfg.batch_size * backend.world_size, sampler.total_size - p.position)
+                p.position += consumed
+                p.samples += consumed
+                timer.tick(len(labels))
+                if p.step % cfg.log_every == 0:
+                    set_postfix(bar, loss=loss.item())
+                if stop.agreed():
+                    save_checkpoint(cfg, backend, state)
+                    raise Preempted(f"stopped by SIGTERM after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
+                                    f"launch the same command again to resume")
+                if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
+                    save_checkpoint(cfg, backend, state)
+                    backend.commit(state)
+                if reached(cfg, p):
+                    break
+            stop.drain()
+            timer.pause()
+            if p.position >= sampler.total_size:  # the epoch is complete
+                p.epoch, p.position = p.epoch + 1, 0
+            row = end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started)
+        return row or evaluation_row(cfg, backend, task, model, state, started)
 
-    final = {**row, "event": "final", "seconds": round(time.time() - started, 3), **performance(timer, backend)}
+    row = backend.run_resilient(run_epochs, state)
+    return finish(cfg, backend, model, state, metrics, {**row, **performance(timer, backend)}, started)
+
+
+def reached(cfg: TrainConfig, p: Progress) -> bool:
+    return cfg.max_steps is not None and p.step >= cfg.max_steps
+
+
+def evaluation_row(cfg, backend, task, model, state, started) -> Dict[str, float]:
+    p = state.progress
+    backend.sync_buffers(backend.unwrap(model))  # evaluate and save one set of BatchNorm statistics
+    return {"epoch": p.epoch + (1 if p.position else 0) or 1, "step": p.step,
+            **evaluate(backend.unwrap(model), task, "val", backend, cfg.batch_size),
+            "lr": state.optimizer.param_groups[0]["lr"], "backend": backend.name, "world_size": backend.world_size,
+            "launcher": backend.env.launcher, "seconds": round(time.time() - started, 3), "samples": state.progress.samples}
+
+
+def end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started) -> Dict[str, float]:
+    """Evaluate, step the scheduler, log, and checkpoint (last.pt, and best.pt when it improved)."""
+    p = state.progress
+    train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
+    row = evaluation_row(cfg, backend, task, model, state, started)
+    row = {"epoch": row.pop("epoch"), "step": row.pop("step"), "train_loss": train_loss_sum / max(train_seen, 1),
+           **row}
+    # The plateau scheduler steps on the globally reduced validation loss, so
+    # every rank takes the same decision and learning rates never diverge.
+    state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
+    improved = p.improves(row["val_accuracy"], row["val_loss"])
+    if improved:
+        p.best_accuracy, p.best_loss, p.best_epoch = row["val_accuracy"], row["val_loss"], row["epoch"]
+    save_checkpoint(cfg, backend, state, best=improved)
+    backend.commit(state)
+    metrics.write(row)
+    backend.print(f"[trainbridge] epoch {row['epoch']} step {p.step}: train_loss {row['train_loss']:.4f} "
+                  f"val_loss {row['val_loss']:.4f} val_accuracy {row['val_accuracy']:.4f}")
+    return row
+
+
+def finish(cfg, backend, model, state, metrics, row, started) -> Dict[str, float]:
+    p = state.progress
+    final = {**row, "event": "final", "seconds": round(time.time() - started, 3)}
     metrics.write(final)
-    backend.save_on_main({"model": backend.unwrap(model).state_dict(), "step": step, "epoch": row["epoch"],
-                          "backend": backend.name, "world_size": backend.world_size,
-                          "config": dataclasses.asdict(cfg)}, f"{cfg.output_dir}/final.pt")
-    backend.print(f"[trainbridge] done: val_accuracy {final['val_accuracy']:.4f} after {step} steps "
+    if backend.is_main:
+        atomic_save({"model": backend.unwrap(model).state_dict(), "step": p.step, "epoch": row["epoch"],
+                     "backend": backend.name, "world_size": backend.world_size,
+                     "config": dataclasses.asdict(cfg)}, os.path.join(cfg.output_dir, "final.pt"))
+    backend.print(f"[trainbridge] done: val_accuracy {final['val_accuracy']:.4f} after {p.step} steps "
                   f"in {final['seconds']:.1f}s; wrote {cfg.output_dir}/final.pt")
     return final

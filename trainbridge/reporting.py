@@ -15,12 +15,13 @@ from tqdm import tqdm
 class MetricsLog:
     """Appends one JSON object per line to ``DIR/metrics.jsonl``; a no-op off the main rank."""
 
-    def __init__(self, output_dir: str, enabled: bool) -> None:
+    def __init__(self, output_dir: str, enabled: bool, append: bool = False) -> None:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.enabled = enabled
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
-            open(self.path, "w").close()  # a new run starts a new log
+            if not append:
+                open(self.path, "w").close()  # a new run starts a new log; a resumed one continues it
 
     def write(self, row: Dict[str, Any]) -> None:
         if self.enabled:

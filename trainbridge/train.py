@@ -22,6 +22,7 @@ import torch
 from .backends import create_backend
 from .config import TrainConfig, parse_config
 from .errors import UserError
+from .fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from .launch import detect_launch, report_error
 from .launch.spawn import spawn_workers
 
@@ -55,9 +56,20 @@ def run_worker(cfg: TrainConfig) -> int:
     except UserError as exc:
         # Input and launcher errors are the same on every rank: one line from rank 0
         # is enough. Once the backend exists, an error may be one rank's: each reports.
-        if env.rank == 0 or backend is not None:
+        if (env.rank == 0 or backend is not None) and not exc.quiet:
             report_error(str(exc))
         return 2
+    except Preempted as exc:
+        if env.rank == 0:
+            print(f"[trainbridge] {exc}", flush=True)
+        finished = True  # every rank stopped at the same step: leave together
+        return PREEMPTED_EXIT_CODE
+    except Exception as exc:  # noqa: BLE001 - only peer failures become one line; bugs keep their traceback
+        message = backend.describe_failure(exc) if backend is not None else None
+        if message is None:
+            raise
+        report_error(message)
+        return 1
     finally:
         if backend is not None:
             backend.shutdown(clean=finished)

@@ -12,15 +12,16 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-from typing import Any, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Sequence, Tuple, TypeVar
 
 import torch
-from torch.utils.data import DistributedSampler
 
+from ..data.sampler import ResumableDistributedSampler
 from ..errors import UserError
 from ..launch import LaunchEnv
 
 REDUCE_OPS = ("sum", "mean", "max")
+T = TypeVar("T")
 
 
 class Backend(abc.ABC):
@@ -115,6 +116,11 @@ class Backend(abc.ABC):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over ranks with ``op`` in ("sum", "mean", "max"); returns a new tensor."""
 
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        """Start an allreduce; the returned function waits for it and gives the result."""
+        result = self.allreduce(tensor, op)
+        return lambda: result
+
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, in rank order."""
@@ -145,18 +151,32 @@ class Backend(abc.ABC):
         gathered = self.allgather_object(tensor.detach().cpu())
         return [t.to(tensor.device) for t in gathered]
 
+    # ----- surviving failures -----------------------------------------------
+    def describe_failure(self, exc: BaseException) -> "str | None":
+        """One line when ``exc`` means a peer died or stalled (not a bug here); None otherwise."""
+        return None
+
+    def run_resilient(self, train_fn: Callable[[], T], state: Any) -> T:
+        """Run ``train_fn``; a backend with in-job recovery (Horovod elastic) re-runs it after a failure.
+
+        ``state`` has ``snapshot()`` and ``restore(snapshot)``; ``train_fn`` must
+        continue from ``state`` and read rank and world size afresh on every call.
+        """
+        return train_fn()
+
+    def commit(self, state: Any) -> None:
+        """Mark ``state`` as a point to roll back to (in memory); a no-op without in-job recovery."""
+
     # ----- data sharding ----------------------------------------------------
-    def train_sampler(self, dataset_size: int, seed: int) -> DistributedSampler:
-        """Shuffled shard of the training set; call ``set_epoch(e)`` to reshuffle each epoch.
+    def train_sampler(self, dataset_size: int, seed: int) -> ResumableDistributedSampler:
+        """Shuffled shard of the training set; ``set_epoch(e, position)`` reshuffles each epoch.
 
         All ranks draw one permutation from ``seed + epoch`` and rank r takes every
         world_size-th index starting at r. Step k of the job therefore covers one
         contiguous slice of the permutation, whatever the world size: 2 ranks with
         batch B see the same samples per step as 1 rank with batch 2B.
         """
-        return DistributedSampler(
-            range(dataset_size), num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=seed
-        )
+        return ResumableDistributedSampler(dataset_size, num_replicas=self.world_size, rank=self.rank, seed=seed)
 
     def eval_shard(self, dataset_size: int) -> Sequence[int]:
         """This rank's evaluation indices: strided, unpadded, each sample on exactly one rank.
@@ -181,6 +201,10 @@ class Backend(abc.ABC):
     def load(self, path: str) -> Any:
         """torch.load on every rank, onto this rank's device, without unpickling code."""
         return torch.load(path, map_location=self.device, weights_only=True)
+
+    def decide_on_main(self, decide: Callable[[], T]) -> T:
+        """Run ``decide()`` on the main rank and give its result to every rank."""
+        return self.broadcast_object(decide() if self.is_main else None)
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:

@@ -5,13 +5,17 @@ allreduce per gradient during backward; ``step()`` waits for them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, List, Tuple
+import time
+from typing import Any, Callable, Iterator, List, Tuple, TypeVar
 
 import torch
 
 from ..errors import UserError
 from .base import REDUCE_OPS, Backend
+
+T = TypeVar("T")
 
 
 def import_horovod():
@@ -47,7 +51,21 @@ class HorovodBackend(Backend):
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(self.timeout)))
         self.hvd = import_horovod()
         self.hvd.init()
-        self.check_world_size(self.hvd.size(), "Horovod")
+        # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change
+        # on the fly, so it is not checked against the launcher's initial count.
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self.full_size = self.hvd.size()
+        if not self.elastic:
+            self.check_world_size(self.hvd.size(), "Horovod")
+
+    def describe_failure(self, exc: BaseException) -> "str | None":
+        from horovod.common.exceptions import HorovodInternalError
+
+        if isinstance(exc, HorovodInternalError) or "Horovod has been shut down" in str(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return (f"rank {self.rank}: Horovod failed ({first[:300]}); another rank died or stalled for "
+                    f"--timeout {self.timeout:.0f}s: see its log")
+        return None
 
     def shutdown(self, clean: bool = True) -> None:
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
@@ -55,10 +73,15 @@ class HorovodBackend(Backend):
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
-        # Horovod: start every rank from rank 0's weights (and buffers).
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # Horovod: average gradients across ranks; hooks overlap with backward.
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+        if self.elastic:
+            # No collectives outside hvd.elastic.run: a worker that joins later would
+            # meet the others in the wrong operation. The elastic state sync sends
+            # rank 0's weights and optimizer state to every worker instead.
+            return model, optimizer
+        # Horovod: start every rank from rank 0's weights (and buffers).
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # Horovod: make optimizer state (e.g. after a resume) identical on all
         # ranks. A fresh optimizer is skipped on purpose: Horovod initialises empty
         # state with a zero-gradient step(), which advances Adam's step count and
@@ -68,15 +91,72 @@ class HorovodBackend(Backend):
         return model, optimizer
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.hvd.allreduce(tensor.detach(), op=self._op(op))
+
+    def _op(self, op: str):
         assert op in REDUCE_OPS, op
-        hvd_op = {"sum": self.hvd.Sum, "mean": self.hvd.Average, "max": self.hvd.Max}[op]
-        return self.hvd.allreduce(tensor.detach(), op=hvd_op)
+        return {"sum": self.hvd.Sum, "mean": self.hvd.Average, "max": self.hvd.Max}[op]
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        # Horovod fuses this with the gradient allreduces of the same cycle.
+        handle = self.hvd.allreduce_async(tensor.detach(), op=self._op(op))
+        return lambda: self.hvd.synchronize(handle)
+
+    def run_resilient(self, train_fn: Callable[[], T], state: Any) -> T:
+        if not self.elastic:
+            return train_fn()
+        from .horovod_elastic import ElasticTrainState
+
+        # Horovod elastic: on a worker failure the survivors roll back to the last
+        # commit, re-form the ring with the workers that are left (or new ones),
+        # receive rank 0's state, and call train_fn again.
+        self.elastic_state = ElasticTrainState(self.hvd, state)
+        return self.hvd.elastic.run(lambda _: self._at_full_size(train_fn))(self.elastic_state)
+
+    def _at_full_size(self, train_fn: Callable[[], T]) -> T:
+        """Train only with as many workers as the job started with.
+
+        After a failure, training on fewer workers would change every later batch,
+        and the final weights with it. The survivors wait (up to --timeout) for
+        horovodrun to start a replacement; its arrival interrupts the wait and
+        the ring re-forms at full size from the last commit.
+        """
+        deadline = time.monotonic() + self.timeout
+        while self.hvd.size() < self.full_size:
+            if time.monotonic() > deadline:
+                raise UserError(f"Horovod elastic: only {self.hvd.size()} of {self.full_size} workers after "
+                                f"{self.timeout:.0f}s; no replacement came (check --host-discovery-script and "
+                                f"--blacklist-cooldown-range)")
+            self.print(f"[trainbridge] elastic: {self.hvd.size()} of {self.full_size} workers; waiting for a replacement")
+            self.elastic_state.check_host_updates()  # raises HostsUpdatedInterrupt when one joins
+            time.sleep(1.0)
+        return train_fn()
+
+    def commit(self, state: Any) -> None:
+        if self.elastic:
+            self.elastic_state.commit()
+
+    # Horovod matches operations across ranks by name, and its *_object helpers
+    # derive the default name from type(obj): a root that sends a tuple while the
+    # others pass None would wait forever. Explicit names keep the ranks matched.
+    def decide_on_main(self, decide: Callable[[], T]) -> T:
+        if self.elastic:  # no collectives outside hvd.elastic.run; rank 0's state wins at the sync
+            return decide()
+        return super().decide_on_main(decide)
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        if self.elastic:  # no barrier outside hvd.elastic.run (see wrap)
+            yield
+            return
+        with super().main_first():
+            yield
 
     def allgather_object(self, obj: Any) -> List[Any]:
-        return self.hvd.allgather_object(obj)
+        return self.hvd.allgather_object(obj, name="trainbridge.allgather_object")
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=src)
+        return self.hvd.broadcast_object(obj, root_rank=src, name="trainbridge.broadcast_object")
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.hvd.broadcast_(tensor, root_rank=src)
@@ -92,3 +172,11 @@ class HorovodBackend(Backend):
     @property
     def local_rank(self) -> int:
         return self.hvd.local_rank() if getattr(self, "hvd", None) else self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.hvd.size() if getattr(self, "hvd", None) else self.env.world_size
+
+    @property
+    def local_size(self) -> int:
+        return self.hvd.local_size() if getattr(self, "hvd", None) else self.env.local_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,16 @@ class TorchBackend(Backend):
                                 f"{self.world_size} processes, rank {other} with {theirs}; "
                                 f"launch every rank with the same WORLD_SIZE")
 
+    def describe_failure(self, exc: BaseException) -> "str | None":
+        text = str(exc)
+        peer_markers = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe",
+                        "NCCL", "gloo", "Socket Timeout")
+        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in text for m in peer_markers)):
+            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            return (f"rank {self.rank}: a collective failed ({first[:300]}); another rank died or stopped "
+                    f"responding within --timeout {self.timeout:.0f}s: see its log")
+        return None
+
     def shutdown(self, clean: bool = True) -> None:
         if dist.is_initialized():
             if clean:
@@ -88,6 +98,16 @@ class TorchBackend(Backend):
         out = tensor.detach().clone()
         dist.all_reduce(out, op=_REDUCE[op])
         return out / self.world_size if op == "mean" else out
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        assert op in REDUCE_OPS, op
+        out = tensor.detach().to(self.device, copy=True)
+        work = dist.all_reduce(out, op=_REDUCE[op], async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out / self.world_size if op == "mean" else out
+        return wait
 
     def allgather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size

@@ -1,0 +1,114 @@
+"""Checkpoint files: atomic writes, a kept previous copy, and safe loading.
+
+Contract (the *why* of each rule):
+
+* Only rank 0 writes, to ``DIR/.<name>.tmp`` first, then ``fsync`` and ``os.replace``:
+  a kill during the write leaves the old file intact (a rename is atomic on POSIX).
+* ``last.pt`` is rotated to ``previous.pt`` before being replaced, so a checkpoint
+  that turns out unreadable (a truncated copy, a bad disk) has a fallback.
+* ``best.pt`` holds the checkpoint with the best validation accuracy (lower
+  validation loss breaks ties).
+* Everything is loaded with ``torch.load(..., weights_only=True)``: checkpoints
+  hold only tensors, numbers, strings, lists and dicts, never pickled code.
+* A corrupt file is never overwritten silently: with ``--resume auto`` it is moved
+  aside to ``<name>.corrupt`` (and the run says so) before ``previous.pt`` is tried.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from .errors import UserError
+
+LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
+FORMAT = "trainbridge-checkpoint-1"
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
+    """Write ``obj`` to ``path`` so that a crash at any moment leaves a loadable file there (or none).
+
+    With ``keep_previous``, the file being replaced is first renamed to that path.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if keep_previous and os.path.exists(path):
+        os.replace(path, keep_previous)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
+    """Load a trainbridge checkpoint; UserError naming the file when it is missing or unreadable."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist; check the path, or use --resume auto/never")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "corrupt"
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'}); "
+                        f"delete it or pass --resume with another file") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
+                        f"for weights only, load it with torch.load and --resume never")
+    return checkpoint
+
+
+def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> Tuple[Optional[str], Optional[dict]]:
+    """Which checkpoint to resume from (rank 0 decides): ``(path, checkpoint)`` or ``(None, None)``.
+
+    ``resume`` is "auto" (last.pt, else previous.pt, else a fresh start),
+    "never", or a path that must exist and load.
+    """
+    if resume == "never":
+        return None, None
+    if resume != "auto":
+        return resume, read_checkpoint(resume)
+    candidates = [os.path.join(output_dir, name) for name in (LAST, PREVIOUS)]
+    found_corrupt = []
+    for path in candidates:
+        if not os.path.exists(path):
+            continue
+        try:
+            return path, read_checkpoint(path)
+        except UserError as exc:
+            aside = path + ".corrupt"
+            try:
+                os.replace(path, aside)
+            except FileNotFoundError:  # another process moved it first
+                pass
+            found_corrupt.append(path)
+            note(f"[trainbridge] {exc}; moved it to {aside}; trying the previous checkpoint")
+    if found_corrupt:
+        raise UserError(f"no loadable checkpoint in {output_dir}: {', '.join(found_corrupt)} corrupt (moved aside "
+                        f"as *.corrupt); use --resume never to start over")
+    return None, None
+
+
+def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
+    """load_state_dict with a one-line error naming missing and unexpected keys."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if missing or unexpected or mismatched:
+        def short(keys):
+            return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "") if keys else "none"
+        raise UserError(f"checkpoint {path} is for another model: missing keys: {short(missing)}; "
+                        f"unexpected keys: {short(unexpected)}; shape mismatches: {short(mismatched)}; "
+                        f"use the --model it was trained with, or --resume never")
+    model.load_state_dict(state)

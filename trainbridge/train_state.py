@@ -1,0 +1,82 @@
+"""Everything a run needs to continue exactly where it stopped.
+
+A checkpoint is a plain dict (nanoGPT-style) of the model, optimizer and
+scheduler state dicts, the progress counters, every rank's RNG state, the best
+metric so far, the config, and the backend and world size that wrote it.
+``snapshot``/``restore`` are the in-memory form that Horovod's elastic mode
+saves on every commit and broadcasts to new workers.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .checkpoint import FORMAT
+
+
+@dataclasses.dataclass
+class Progress:
+    epoch: int = 0          # the epoch in progress, 0-based
+    position: int = 0       # samples of that epoch's global order already trained on
+    step: int = 0           # optimizer steps in all
+    samples: int = 0        # training samples in all (global)
+    best_accuracy: Optional[float] = None
+    best_loss: Optional[float] = None
+    best_epoch: Optional[int] = None
+
+    def improves(self, accuracy: float, loss: float) -> bool:
+        """Higher validation accuracy is better; lower validation loss breaks ties."""
+        return self.best_accuracy is None or (accuracy, -loss) > (self.best_accuracy, -self.best_loss)
+
+
+class TrainState:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 progress: Progress) -> None:
+        self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+
+    def snapshot(self) -> Dict[str, Any]:
+        """A deep copy of the trainable state and counters (no RNG: that is per rank)."""
+        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "scheduler": self.scheduler.state_dict(),
+                              "progress": dataclasses.asdict(self.progress)})
+
+    def restore(self, snapshot: Dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.scheduler.load_state_dict(snapshot["scheduler"])
+        self.progress = Progress(**snapshot["progress"])
+
+    def checkpoint(self, *, rng_states: List[torch.Tensor], config: Dict[str, Any], backend: str,
+                   world_size: int, batch_size: int) -> Dict[str, Any]:
+        p = self.progress
+        return {
+            "format": FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "progress": dataclasses.asdict(p),
+            # Readable summaries of the same counters (the contract of final.pt and the README).
+            "epoch": p.epoch, "step": p.step, "step_in_epoch": p.position // (world_size * batch_size),
+            "sampler": {"seed": config["seed"], "epoch": p.epoch, "position": p.position},
+            "rng": {"torch": rng_states},
+            "best": {"val_accuracy": p.best_accuracy, "val_loss": p.best_loss, "epoch": p.best_epoch},
+            "config": config, "backend": backend, "world_size": world_size, "batch_size": batch_size,
+        }
+
+
+def rng_state() -> torch.Tensor:
+    """This rank's RNG state (dropout masks, augmentation): CPU generator, plus CUDA's when present."""
+    state = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state = torch.cat([state, torch.cuda.get_rng_state()])
+    return state
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    cpu = torch.get_rng_state()
+    torch.set_rng_state(state[:len(cpu)])
+    if torch.cuda.is_available() and len(state) > len(cpu):
+        torch.cuda.set_rng_state(state[len(cpu):])

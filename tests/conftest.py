@@ -10,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import psutil
 import pytest
 import torch
 
@@ -80,3 +82,65 @@ def load_final(output_dir: Path) -> dict:
 
 def read_metrics(output_dir: Path) -> List[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Job:
+    """A launcher running in the background, its output going to a log file.
+
+    For tests that act on a job while it runs (kill a rank, send SIGTERM).
+    """
+
+    def __init__(self, cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> None:
+        self.cmd, self.log = cmd, log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, text=True,
+                                     env=launcher_env(env), start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_for_output(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"never printed {text!r} within {timeout}s:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+
+    def rank_process(self, rank: int) -> psutil.Process:
+        """The worker process of ``rank`` (read from its launcher-set environment)."""
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                environ, cmdline = child.environ(), " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "trainbridge.train" in cmdline and any(environ.get(k) == str(rank) for k in RANK_VARIABLES):
+                return child
+        pytest.fail(f"no worker process with rank {rank} under {self.cmd[0]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(self.cmd)}\n{self.output()[-3000:]}")
+        finally:
+            self._out.close()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect from a terminated job
 INJECTED_FAILURE_EXIT_CODE = 86
+WATCHDOG_EXIT_CODE = 124
 
 
 class Preempted(Exception):
@@ -67,3 +70,37 @@ def maybe_fail(fail_at_step: Optional[int], fail_rank: int, rank: int, step: int
         os.fsync(f.fileno())
     print(f"[trainbridge] --fail-at-step: rank {rank} exits abruptly before step {step}", flush=True)
     os._exit(INJECTED_FAILURE_EXIT_CODE)
+
+
+class Watchdog:
+    """Ends this rank when training makes no progress for ``timeout`` seconds.
+
+    Collective timeouts do not cover every stall: with Horovod's MPI controller,
+    a frozen peer (e.g. SIGSTOP, a hung GPU) blocks the negotiation itself, and
+    the stall check never runs. The loop calls :meth:`beat` after each step and
+    evaluation batch; a daemon thread exits the process with one clear line when
+    the beats stop, so the launcher can tear the job down.
+    """
+
+    def __init__(self, timeout: float, rank: int) -> None:
+        self.timeout, self.rank = timeout, rank
+        self.last = time.monotonic()
+        self.armed = False
+        threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 10))
+            idle = time.monotonic() - self.last
+            if self.armed and idle > self.timeout:
+                print(f"trainbridge: error: rank {self.rank}: no training progress for {idle:.0f}s "
+                      f"(--timeout {self.timeout:.0f}); another rank probably died or stalled: see its log",
+                      file=sys.stderr, flush=True)
+                os._exit(WATCHDOG_EXIT_CODE)

@@ -24,7 +24,7 @@ from .backends import Backend
 from .checkpoint import BEST, LAST, PREVIOUS, atomic_save, choose_resume, load_model_state, read_checkpoint
 from .config import TrainConfig
 from .errors import UserError
-from .fault_tolerance import Preempted, StopSignal, maybe_fail
+from .fault_tolerance import Preempted, StopSignal, Watchdog, maybe_fail
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
 from .train_state import Progress, TrainState, rng_state, set_rng_state
@@ -47,7 +47,8 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, task: Task, split: str, backend: Backend, batch_size: int) -> Dict[str, float]:
+def evaluate(model: torch.nn.Module, task: Task, split: str, backend: Backend, batch_size: int,
+             beat=lambda: None) -> Dict[str, float]:
     """Exact loss and accuracy over the whole split, whatever the world size.
 
     ``model`` must be the unwrapped module: under DDP a forward pass of the
@@ -63,6 +64,7 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, backend: Backend, b
         totals[0] += task.loss(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
+        beat()
     # Each sample was seen by exactly one rank, so global sums are exact.
     loss_sum, correct, count = backend.allreduce(totals, "sum").tolist()
     model.train(was_training)
@@ -149,6 +151,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     state = TrainState(backend.unwrap(model), optimizer, scheduler, progress_)
     metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main, append=checkpoint is not None)
     timer = StepTimer(cfg.warmup_steps)
+    watchdog = Watchdog(cfg.timeout, backend.rank)
 
     def run_epochs() -> Dict[str, float]:
         # Re-entered by Horovod elastic after a failure: the world may have changed,
@@ -178,6 +181,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                 p.position += consumed
                 p.samples += consumed
                 timer.tick(len(labels))
+                watchdog.beat()
                 if p.step % cfg.log_every == 0:
                     set_postfix(bar, loss=loss.item())
                 if stop.agreed():
@@ -193,10 +197,11 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
             timer.pause()
             if p.position >= sampler.total_size:  # the epoch is complete
                 p.epoch, p.position = p.epoch + 1, 0
-            row = end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started)
-        return row or evaluation_row(cfg, backend, task, model, state, started)
+            row = end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started, watchdog.beat)
+        return row or evaluation_row(cfg, backend, task, model, state, started, watchdog.beat)
 
     row = backend.run_resilient(run_epochs, state)
+    watchdog.disarm()
     return finish(cfg, backend, model, state, metrics, {**row, **performance(timer, backend)}, started)
 
 
@@ -204,25 +209,26 @@ def reached(cfg: TrainConfig, p: Progress) -> bool:
     return cfg.max_steps is not None and p.step >= cfg.max_steps
 
 
-def evaluation_row(cfg, backend, task, model, state, started) -> Dict[str, float]:
+def evaluation_row(cfg, backend, task, model, state, started, beat) -> Dict[str, float]:
     p = state.progress
     backend.sync_buffers(backend.unwrap(model))  # evaluate and save one set of BatchNorm statistics
     return {"epoch": p.epoch + (1 if p.position else 0) or 1, "step": p.step,
-            **evaluate(backend.unwrap(model), task, "val", backend, cfg.batch_size),
+            **evaluate(backend.unwrap(model), task, "val", backend, cfg.batch_size, beat),
             "lr": state.optimizer.param_groups[0]["lr"], "backend": backend.name, "world_size": backend.world_size,
             "launcher": backend.env.launcher, "seconds": round(time.time() - started, 3), "samples": state.progress.samples}
 
 
-def end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started) -> Dict[str, float]:
+def end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, started, beat) -> Dict[str, float]:
     """Evaluate, step the scheduler, log, and checkpoint (last.pt, and best.pt when it improved)."""
     p = state.progress
     train_loss_sum, train_seen = backend.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
-    row = evaluation_row(cfg, backend, task, model, state, started)
+    row = evaluation_row(cfg, backend, task, model, state, started, beat)
     row = {"epoch": row.pop("epoch"), "step": row.pop("step"), "train_loss": train_loss_sum / max(train_seen, 1),
            **row}
-    # The plateau scheduler steps on the globally reduced validation loss, so
-    # every rank takes the same decision and learning rates never diverge.
-    state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
+    if p.position == 0:  # a completed epoch (not a --max-steps or preemption stop inside one)
+        # The plateau scheduler steps on the globally reduced validation loss, so
+        # every rank takes the same decision and learning rates never diverge.
+        state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
     improved = p.improves(row["val_accuracy"], row["val_loss"])
     if improved:
         p.best_accuracy, p.best_loss, p.best_epoch = row["val_accuracy"], row["val_loss"], row["epoch"]

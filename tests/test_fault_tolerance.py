@@ -1,0 +1,161 @@
+"""Crash-proof resume and no hangs, with real launchers and real kills.
+
+Reference: an uninterrupted 2-process run of plaincnn/SGD, 2 epochs of 63 steps.
+Interrupted and resumed runs must end with bitwise the same weights (same
+backend and world size), or within 1e-5 across backends.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import (HOROVODRUN, PYTHON, TRAIN, Job, bitwise_equal, check, horovodrun, load_final, max_abs_diff,
+                      plain, read_metrics, run, torchrun)
+
+STEPS = 126  # 2 epochs x 63 steps of 2 x 32 samples
+COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "5",
+          "--batch-size", "32", "--epochs", "2", "--threads", "1", "--no-progress"]
+
+
+def torchrun_restarts(nproc, args, restarts):
+    cmd = torchrun(nproc, args)
+    return cmd[:1] + [f"--max-restarts={restarts}"] + cmd[1:]
+
+
+@pytest.fixture(scope="module")
+def torch_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_ref")
+    check(run(torchrun(2, COMMON + ["--output-dir", str(out)]), timeout=240))
+    return load_final(out)["model"]
+
+
+@pytest.fixture(scope="module")
+def horovod_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("horovod_ref")
+    check(run(horovodrun(2, "gloo", COMMON + ["--output-dir", str(out)]), timeout=240))
+    return load_final(out)["model"]
+
+
+def test_torchrun_restart_after_a_mid_epoch_crash_ends_bitwise_identical(tmp_path, torch_reference):
+    result = check(run(torchrun_restarts(2, COMMON + ["--checkpoint-every", "10", "--fail-at-step", "87",
+                                                     "--output-dir", str(tmp_path)], restarts=2), timeout=300))
+    assert "rank 1 exits abruptly before step 87" in result.stdout + result.stderr
+    assert "resuming from" in result.stdout and (tmp_path / ".failed-at-step-87").exists()
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
+
+
+def test_horovod_elastic_recovers_from_a_crash_bitwise_identical(tmp_path, horovod_reference):
+    # Two "hosts" that are both this machine: Horovod blacklists the host of a
+    # failed worker, and a job whose every host is blacklisted stops.
+    discover = tmp_path / "discover_hosts.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    out = tmp_path / "out"
+    cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
+           "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2",
+           PYTHON, *TRAIN, *COMMON, "--checkpoint-every", "10", "--fail-at-step", "87", "--output-dir", str(out)]
+    result = check(run(cmd, timeout=300))
+    log = result.stdout + result.stderr
+    assert "rank 1 exits abruptly before step 87" in log and "waiting for a replacement" in log
+    final = load_final(out)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], horovod_reference)
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path, torch_reference):
+    out = tmp_path / "out"
+    job = Job(torchrun(2, COMMON + ["--checkpoint-every", "1", "--output-dir", str(out)]), tmp_path / "log")
+    writer = None
+    tmp_file = out / ".last.pt.tmp"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if writer is None and (out / "last.pt").exists():
+            writer = job.rank_process(0)  # rank 0 writes every checkpoint
+        if writer is not None and tmp_file.exists():
+            writer.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.0005)
+    else:
+        job.kill()
+        pytest.fail("never caught a checkpoint write in progress")
+    assert job.wait(timeout=90) != 0
+    survivors = [p for p in (out / "last.pt", out / "previous.pt") if p.exists()]
+    assert survivors, os.listdir(out)
+    for path in survivors:
+        checkpoint = torch.load(path, weights_only=True)
+        assert 0 < checkpoint["step"] < STEPS
+    check(run(torchrun(2, COMMON + ["--output-dir", str(out)]), timeout=240))
+    final = load_final(out)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
+
+
+@pytest.mark.parametrize("first,second", [("torch", "horovod"), ("horovod", "torch")])
+def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference):
+    launch = {"torch": lambda a: torchrun(2, a), "horovod": lambda a: horovodrun(2, "gloo", a)}
+    check(run(launch[first](COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["backend"] == first
+    result = check(run(launch[second](COMMON + ["--output-dir", str(tmp_path)]), timeout=240))
+    assert f"written by {first} with 2 processes" in result.stdout
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and final["backend"] == second
+    assert max_abs_diff(final["model"], torch_reference) < 1e-5
+
+
+def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, torch_reference):
+    check(run(torchrun(2, COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
+    # One process with twice the batch covers the same global batches from sample 2,560 on.
+    args = [a if a != "32" else "64" for a in COMMON]
+    result = check(run(plain(args + ["--output-dir", str(tmp_path)]), timeout=240))
+    assert "sample 2560 of the epoch, step 40" in result.stdout
+    final, rows = load_final(tmp_path), read_metrics(tmp_path)
+    assert final["step"] == STEPS and rows[-1]["samples"] == 8000 and rows[-1]["world_size"] == 1
+    assert max_abs_diff(final["model"], torch_reference) < 1e-5
+
+
+def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_reference):
+    job = Job(torchrun(2, COMMON + ["--output-dir", str(tmp_path)]), tmp_path / "log")
+    job.wait_for_output("epoch 1 step 63", timeout=120)
+    job.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, as under SLURM or Kubernetes
+    assert job.wait(timeout=60) != 0
+    assert "stopped by SIGTERM after step" in job.output()
+    stopped_at = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
+    assert 63 <= stopped_at < STEPS
+    check(run(torchrun(2, COMMON + ["--output-dir", str(tmp_path)]), timeout=240))
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
+
+
+LONG = ["--dataset", "mnist-sample", "--epochs", "100", "--no-progress", "--timeout", "20", "--resume", "never"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun-gloo", "horovodrun-mpi"])
+def test_sigkill_of_one_rank_never_hangs_the_other(launcher, tmp_path):
+    cmd = {"torchrun": torchrun(2, LONG), "horovodrun-gloo": horovodrun(2, "gloo", LONG),
+           "horovodrun-mpi": horovodrun(2, "mpi", LONG)}[launcher]
+    job = Job(cmd + ["--output-dir", str(tmp_path)], tmp_path / "log")
+    job.wait_for_output("epoch 1 step", timeout=120)
+    survivor = job.rank_process(0)
+    job.rank_process(1).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = job.wait(timeout=60)
+    assert code != 0 and not survivor.is_running() or survivor.status() == "zombie"
+    assert time.monotonic() - killed < 60
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
+    # SIGSTOP: the peer is alive but silent, so only timeouts can notice.
+    job = Job(torchrun(2, LONG + ["--output-dir", str(tmp_path)]), tmp_path / "log")
+    job.wait_for_output("epoch 1 step", timeout=120)
+    survivor, stalled = job.rank_process(0), job.rank_process(1)
+    stalled.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        survivor.wait(timeout=60)
+    except Exception:  # noqa: BLE001
+        job.kill()
+        pytest.fail("rank 0 was still running 60 s after its peer stalled (--timeout 20)")
+    assert time.monotonic() - stopped < 60
+    assert job.wait(timeout=90) != 0
+    assert "trainbridge: error: rank 0" in job.output()

@@ -1,0 +1,72 @@
+"""Bad checkpoints: one clear line, nothing good overwritten, a fallback when one exists."""
+import shutil
+
+import torch
+
+from conftest import check, load_final, plain, read_metrics, run
+from test_bad_input import assert_one_clear_line
+
+QUICK = ["--dataset", "mnist-sample", "--model", "plaincnn", "--optimizer", "sgd", "--batch-size", "100",
+         "--epochs", "2", "--no-progress"]
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def test_corrupt_last_falls_back_to_previous_and_says_so(tmp_path):
+    check(run(plain(QUICK + ["--output-dir", str(tmp_path)]), timeout=120))
+    assert (tmp_path / "previous.pt").exists()
+    truncate(tmp_path / "last.pt")
+    corrupt_bytes = (tmp_path / "last.pt").read_bytes()
+    result = check(run(plain(QUICK + ["--epochs", "3", "--output-dir", str(tmp_path)]), timeout=120))
+    assert "last.pt is corrupt" in result.stdout and "moved it to" in result.stdout
+    assert (tmp_path / "last.pt.corrupt").read_bytes() == corrupt_bytes  # kept, not overwritten
+    assert "resuming from" in result.stdout and "previous.pt" in result.stdout
+    assert load_final(tmp_path)["epoch"] == 3
+
+
+def test_corrupt_checkpoint_without_fallback_stops(tmp_path):
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+    (tmp_path / "previous.pt").unlink(missing_ok=True)
+    truncate(tmp_path / "last.pt")
+    result = run(plain(QUICK + ["--output-dir", str(tmp_path)]), timeout=120)
+    assert_one_clear_line(result, r"no loadable checkpoint in .*last.pt corrupt.*--resume never")
+    assert not (tmp_path / "last.pt").exists() and (tmp_path / "last.pt.corrupt").exists()
+
+
+def test_resume_path_that_is_corrupt_names_the_file_and_leaves_it(tmp_path):
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path / "a")]), timeout=120))
+    bad = tmp_path / "bad.pt"
+    shutil.copy(tmp_path / "a" / "last.pt", bad)
+    truncate(bad)
+    before = bad.read_bytes()
+    result = run(plain(QUICK + ["--resume", str(bad), "--output-dir", str(tmp_path / "b")]), timeout=120)
+    assert_one_clear_line(result, r"checkpoint .*bad.pt is corrupt or truncated")
+    assert bad.read_bytes() == before
+
+
+def test_checkpoint_of_another_model_names_the_keys(tmp_path):
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+    result = run(plain(QUICK + ["--model", "convnet-bn", "--output-dir", str(tmp_path)]), timeout=120)
+    assert_one_clear_line(result, r"is for another model: missing keys: .*1\.weight.*unexpected keys: .*")
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["config"]["model"] == "plaincnn"
+
+
+def test_resume_path_that_does_not_exist(tmp_path):
+    result = run(plain(QUICK + ["--resume", str(tmp_path / "nope.pt"), "--output-dir", str(tmp_path)]), timeout=60)
+    assert_one_clear_line(result, r"checkpoint .*nope.pt does not exist")
+
+
+def test_checkpoint_contents_load_with_weights_only(tmp_path):
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+    for name in ("last.pt", "best.pt", "final.pt"):
+        torch.load(tmp_path / name, weights_only=True)
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "sampler", "rng", "best", "config",
+                "backend", "world_size"):
+        assert key in ckpt, key
+    assert ckpt["sampler"] == {"seed": 1, "epoch": 1, "position": 0} and ckpt["epoch"] == 1
+    final_row = read_metrics(tmp_path)[-1]
+    assert len(ckpt["rng"]["torch"]) == 1 and ckpt["best"]["val_accuracy"] == final_row["val_accuracy"]

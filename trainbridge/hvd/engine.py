@@ -18,13 +18,18 @@ Contract (the same as Horovod's background loop):
   that dies or leaves never leaves its peers waiting.
 * Only this thread issues collectives on the engine's groups, so its order is
   the same on every rank, whatever threads the caller uses.
+* Like Horovod, an operation that some ranks never submit waits forever; after
+  HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
+  turns it off) each waiting rank prints which ranks are missing.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import os
+import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -73,6 +78,8 @@ class Request:
     outputs: Optional[List[torch.Tensor]]  # preallocated results (allreduce, broadcast); else created here
     grouped: bool
     handle: Handle = dataclasses.field(default_factory=Handle)
+    submitted_at: float = dataclasses.field(default_factory=time.monotonic)
+    stall_reported: bool = False
 
 
 def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
@@ -116,6 +123,9 @@ class Engine:
         self._shutdown_requested = False
         self._closed: Optional[HorovodInternalError] = None
         self._counters: Dict[str, int] = collections.defaultdict(int)
+        stall_check = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("1", "true")
+        self._stall_s = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)) if stall_check else None
+        self._next_stall_check = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="trainbridge-hvd-engine", daemon=True)
         self._thread.start()
 
@@ -184,6 +194,7 @@ class Engine:
                         f"Horovod has been shut down: rank {outcome.shutdown_by[0]} called hvd.shutdown() "
                         f"or exited while this operation was in progress"))
                     return
+                self._report_stalls()
                 if not outcome.ready:
                     with self._cv:  # nothing moved: pause one cycle unless something new arrives
                         if not self._outbox:
@@ -201,6 +212,23 @@ class Engine:
             join = self._join is not None and not self._join_announced
             self._join_announced = self._join_announced or join
             return Message(announcements, join, self._shutdown_requested)
+
+    def _report_stalls(self) -> None:
+        now = time.monotonic()
+        if self._stall_s is None or now < self._next_stall_check:
+            return
+        self._next_stall_check = now + 1.0
+        with self._cv:
+            stalled = [r for r in self._local.values()
+                       if not r.stall_reported and now - r.submitted_at > self._stall_s]
+        for request in stalled:
+            request.stall_reported = True
+            submitted = self._table.pending.get(request.name, {})
+            missing = [r for r in range(self.size) if r not in submitted and r not in self._table.joined]
+            print(f"trainbridge.hvd: warning: rank {self.rank} has waited {now - request.submitted_at:.0f}s for "
+                  f"{request.announcement.kind} {request.name!r}; ranks {missing} have not submitted it. Unnamed "
+                  f"operations are numbered per process, so every rank must issue them in the same order",
+                  file=sys.stderr, flush=True)
 
     def _close(self, error: HorovodInternalError) -> None:
         with self._cv:

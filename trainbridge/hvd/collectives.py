@@ -57,7 +57,9 @@ def poll(handle: int) -> bool:
     """True once the operation behind ``handle`` has finished (``synchronize`` will not block)."""
     with _handles_lock:
         entry = _handles.get(handle)
-    return entry is None or entry.done()
+    if entry is None:
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
+    return entry.done()
 
 
 def synchronize(handle: int) -> Any:

@@ -106,11 +106,10 @@ class Engine:
     """Per-process collective engine over torch.distributed; see the module docstring."""
 
     def __init__(self, rank: int, size: int, control_group: Any, cuda_group: Any = None,
-                 cuda_device: Optional[int] = None, cycle_time: float = 0.001) -> None:
+                 cycle_time: float = 0.001) -> None:
         self.rank, self.size = rank, size
         self._control = control_group  # gloo: negotiation and CPU tensors
         self._cuda = cuda_group  # nccl for CUDA tensors, when available
-        self._cuda_device = cuda_device
         self._cycle_time = cycle_time
         self._fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_BYTES))
         self._table = NegotiationTable(size)
@@ -123,6 +122,7 @@ class Engine:
         self._shutdown_requested = False
         self._closed: Optional[HorovodInternalError] = None
         self._counters: Dict[str, int] = collections.defaultdict(int)
+        self.cycles = 0  # negotiation rounds so far (diagnostics)
         stall_check = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("1", "true")
         self._stall_s = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)) if stall_check else None
         self._next_stall_check = time.monotonic()
@@ -177,13 +177,12 @@ class Engine:
     # ----- engine thread ----------------------------------------------------
     def _loop(self) -> None:
         try:
-            if self._cuda_device is not None:
-                torch.cuda.set_device(self._cuda_device)  # this thread launches the nccl collectives
             while True:
                 message = self._next_message()
                 gathered: List[Optional[Message]] = [None] * self.size
                 dist.all_gather_object(gathered, message, group=self._control)
                 outcome = self._table.apply(gathered)
+                self.cycles += 1
                 self._run(outcome.ready)
                 if outcome.join_completed_by is not None:
                     with self._cv:
@@ -262,8 +261,12 @@ class Engine:
             if decision.kind != "allreduce":
                 request.handle.finish(getattr(self, "_" + decision.kind)(decision, request))
 
-    def _group_for(self, device: str) -> Any:
-        return self._cuda if device == "cuda" and self._cuda is not None else self._control
+    def _group_for(self, tensor: torch.Tensor) -> Any:
+        """gloo for CPU tensors; nccl, on the tensor's GPU, for CUDA tensors."""
+        if tensor.device.type == "cuda" and self._cuda is not None:
+            torch.cuda.set_device(tensor.device)  # nccl runs on this thread's current device
+            return self._cuda
+        return self._control
 
     def _zeros_like(self, announcement: Announcement) -> List[torch.Tensor]:
         device = torch.device("cpu")
@@ -287,13 +290,14 @@ class Engine:
             results.append([None] * len(inputs))
             for slot, tensor in enumerate(inputs):
                 buckets.setdefault((tensor.dtype, ref.device, ref.op), []).append((index, slot, tensor, ref))
-        for (dtype, device, op), items in buckets.items():
+        for (dtype, _, op), items in buckets.items():
             for chunk in self._by_size(items):
-                flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1) for _, _, t, ref in chunk])
-                dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(device))
+                home = chunk[0][2].device  # model-parallel tensors on other GPUs join this buffer
+                flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1).to(home) for _, _, t, ref in chunk])
+                dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat))
                 offset = 0
                 for index, slot, tensor, ref in chunk:
-                    part = flat[offset:offset + tensor.numel()].view(tensor.shape).to(dtype)
+                    part = flat[offset:offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
                     offset += tensor.numel()
                     # Average is Sum then 1/size, folded into the post-scale as Horovod does.
                     results[index][slot] = scaled(part, ref.postscale / self.size if op == Average else ref.postscale)
@@ -323,7 +327,7 @@ class Engine:
                 padded[:tensor.shape[0]] = send
                 send = padded
             received = [torch.empty_like(send) for _ in range(self.size)]
-            dist.all_gather(received, send.contiguous(), group=self._group_for(decision.reference().device))
+            dist.all_gather(received, send.contiguous(), group=self._group_for(send))
             results.append(torch.cat([part[:n] for part, n in zip(received, rows)]).to(tensor.dtype))
         return tuple(results) if request.grouped else results[0]
 
@@ -331,7 +335,7 @@ class Engine:
         root = decision.reference().root
         tensor, output = request.inputs[0], request.outputs[0]
         buffer = transport(tensor).clone() if self.rank == root else torch.empty_like(transport(tensor))
-        dist.broadcast(buffer, src=root, group=self._group_for(decision.reference().device))
+        dist.broadcast(buffer, src=root, group=self._group_for(buffer))
         output.copy_(buffer)
         return output
 
@@ -343,7 +347,7 @@ class Engine:
         output = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]),
                              dtype=transport(tensor).dtype, device=tensor.device)
         dist.all_to_all_single(output, transport(tensor), output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits, group=self._group_for(decision.reference().device))
+                               input_split_sizes=send_splits, group=self._group_for(output))
         return output.to(tensor.dtype), torch.tensor(recv_splits, dtype=torch.int32)
 
     def _reducescatter(self, decision: Decision, request: Request) -> Any:

@@ -3,9 +3,10 @@
 ``init()`` joins the job the way the trainbridge torch backend does
 (:class:`trainbridge.backends.torch_ddp.TorchBackend`: the launcher's rendezvous,
 torchrun's agent store, mpi4py under mpirun, a one-rank group under plain
-python), unless the default process group already exists. It then creates the
-engine's own groups: gloo for negotiation and CPU tensors, plus nccl for CUDA
-tensors when CUDA is available.
+python), unless the default process group already exists. Like Horovod's, it
+does not pick a GPU (scripts call ``torch.cuda.set_device(hvd.local_rank())``),
+so the default group is gloo. It then creates the engine's own groups: gloo for
+negotiation and CPU tensors, plus nccl for CUDA tensors when CUDA is available.
 
 Environment read: the launcher's variables (see :mod:`trainbridge.launch`),
 ``HOROVOD_CYCLE_TIME`` (ms, default 1), ``HOROVOD_FUSION_THRESHOLD`` (bytes),
@@ -24,6 +25,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..backends.torch_ddp import TorchBackend
 from ..launch import detect_launch
 from .engine import Engine
 
@@ -55,6 +57,13 @@ def runtime() -> Runtime:
     return _runtime
 
 
+class _DeviceNeutralTorchBackend(TorchBackend):
+    """The torch backend's rendezvous and process group, without its one-GPU-per-rank device choice."""
+
+    def _pick_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
 def _timeout() -> float:
     return float(os.environ.get("TRAINBRIDGE_HVD_TIMEOUT", DEFAULT_TIMEOUT_S))
 
@@ -69,17 +78,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         return
     env = detect_launch()
     if not dist.is_initialized():
-        from ..backends.torch_ddp import TorchBackend
-
-        _owned_backend = TorchBackend(env, timeout=min(_timeout(), 300.0))
+        _owned_backend = _DeviceNeutralTorchBackend(env, timeout=min(_timeout(), 300.0))
         _owned_backend.init()
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=_timeout())
     control = dist.new_group(backend="gloo", timeout=timeout)
     groups = [control]
-    cuda_group, cuda_device = None, None
+    cuda_group = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda_device = torch.cuda.current_device()
         cuda_group = dist.new_group(backend="nccl", timeout=timeout)
         groups.append(cuda_group)
     # Horovod's cross rank/size: the ranks that share this process's local rank, one per node.
@@ -87,7 +93,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     layouts: List[Any] = [None] * size
     dist.all_gather_object(layouts, (local_rank, local_size), group=control)
     peers = [r for r, (lr, _) in enumerate(layouts) if lr == local_rank]
-    engine = Engine(rank, size, control, cuda_group, cuda_device,
+    engine = Engine(rank, size, control, cuda_group,
                     cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0)
     _runtime = Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
                        len({ls for _, ls in layouts}) == 1, engine, groups)

@@ -114,3 +114,35 @@ def test_commit_file_only_under_torchrun():
     assert commit_file.commit_path({"TRAINBRIDGE_ELASTIC_DIR": "/ckpt"}) == "/ckpt/state.pt"
     assert not commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "0"})
     assert commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "1"})
+
+
+def _name_table():
+    """(names, status) per row of the "Every horovod.torch name" table in the migration guide."""
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "MIGRATING_FROM_HOROVOD.md").read_text()
+    table = text.split("### Every `horovod.torch` name", 1)[1]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    return [(re.findall(r"`(\w[\w.]*)`", names), status.strip()) for names, status in rows]
+
+
+def test_migration_table_lists_every_horovod_torch_name_and_the_facade_has_the_supported_ones():
+    import importlib
+
+    import horovod.torch
+
+    import trainbridge.hvd as hvd
+
+    assert not hvd.using_real_horovod
+    listed = {name.split(".")[0] for names, _ in _name_table() for name in names}
+    public = {name for name in dir(horovod.torch) if not name.startswith("_")}
+    assert public <= listed, f"missing from the table: {sorted(public - listed)}"
+    for names, status in _name_table():
+        assert status in ("yes", "differs", "no"), status
+        for name in names:
+            if status != "no":
+                owner = hvd
+                for part in name.split("."):
+                    owner = getattr(owner, part)  # raises if the facade lacks a supported name
+    assert importlib.import_module("trainbridge.hvd.elastic").ObjectState

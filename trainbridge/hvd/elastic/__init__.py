@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from ..process import rank
+from ..process import init, rank, shutdown
 from . import commit_file
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
@@ -40,4 +40,4 @@ def run(func: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "init", "run", "shutdown"]

@@ -65,6 +65,18 @@ def threshold(dtype):
     return 0 if hvd.size() <= 3 or dtype in INT_TYPES else 1e-4
 
 
+def dtype_differs_by_rank():
+    """Horovod's type-error input: int32 on even ranks, float32 on odd ones."""
+    return torch.IntTensor(*[17] * 3) if hvd.rank() % 2 == 0 else torch.FloatTensor(*[17] * 3)
+
+
+def expect_duplicate_name_error(submit_async):
+    """A second operation under the name of one still in flight raises ValueError; then finish the first."""
+    first = submit_async("duplicate_name")
+    expect_error(lambda: [submit_async("duplicate_name") for _ in range(10)], ValueError)
+    hvd.synchronize(first)
+
+
 # ----- process ----------------------------------------------------------------
 def test_rank_and_size():
     launched = {"RANK": "WORLD_SIZE", "HOROVOD_RANK": "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK": "OMPI_COMM_WORLD_SIZE"}
@@ -201,21 +213,12 @@ def test_allreduce_error():
 
 def test_allreduce_type_error():
     multi_rank_only()
-    tensor = torch.IntTensor(*[17] * 3) if hvd.rank() % 2 == 0 else torch.FloatTensor(*[17] * 3)
-    expect_error(lambda: hvd.allreduce(tensor), RuntimeError)
+    expect_error(lambda: hvd.allreduce(dtype_differs_by_rank()), RuntimeError)
 
 
 def test_allreduce_duplicate_name_error():
     multi_rank_only()
-    tensor = torch.FloatTensor(*[17] * 3)
-    first = hvd.allreduce_async(tensor, name="duplicate_allreduce")
-    try:
-        for _ in range(10):
-            hvd.allreduce_async(tensor, name="duplicate_allreduce")
-        raise AssertionError("hvd.allreduce_async did not throw error")
-    except ValueError:
-        pass
-    hvd.synchronize(first)
+    expect_duplicate_name_error(lambda name: hvd.allreduce_async(torch.FloatTensor(*[17] * 3), name=name))
 
 
 def test_allreduce_grad():
@@ -338,16 +341,12 @@ def test_allgather_error():
 
 def test_allgather_type_error():
     multi_rank_only()
-    tensor = torch.IntTensor(*[17] * 3) if hvd.rank() % 2 == 0 else torch.FloatTensor(*[17] * 3)
-    expect_error(lambda: hvd.allgather(tensor), RuntimeError)
+    expect_error(lambda: hvd.allgather(dtype_differs_by_rank()), RuntimeError)
 
 
 def test_allgather_duplicate_name_error():
     multi_rank_only()
-    tensor = torch.FloatTensor(*[17] * 3)
-    first = hvd.allgather_async(tensor, name="duplicate_allgather")
-    expect_error(lambda: [hvd.allgather_async(tensor, name="duplicate_allgather") for _ in range(10)], ValueError)
-    hvd.synchronize(first)
+    expect_duplicate_name_error(lambda name: hvd.allgather_async(torch.FloatTensor(*[17] * 3), name=name))
 
 
 def test_allgather_grad():
@@ -423,8 +422,7 @@ def test_broadcast_error():
 
 def test_broadcast_type_error():
     multi_rank_only()
-    tensor = torch.IntTensor(*[17] * 3) if hvd.rank() % 2 == 0 else torch.FloatTensor(*[17] * 3)
-    expect_error(lambda: hvd.broadcast(tensor, 0), RuntimeError)
+    expect_error(lambda: hvd.broadcast(dtype_differs_by_rank(), 0), RuntimeError)
 
 
 def test_broadcast_rank_error():
@@ -434,11 +432,7 @@ def test_broadcast_rank_error():
 
 def test_broadcast_duplicate_name_error():
     multi_rank_only()
-    tensor = torch.FloatTensor(*[17] * 3)
-    first = hvd.broadcast_async(tensor, root_rank=0, name="duplicate_broadcast")
-    expect_error(lambda: [hvd.broadcast_async(tensor, root_rank=0, name="duplicate_broadcast")
-                          for _ in range(10)], ValueError)
-    hvd.synchronize(first)
+    expect_duplicate_name_error(lambda name: hvd.broadcast_async(torch.FloatTensor(*[17] * 3), 0, name=name))
 
 
 def test_broadcast_grad():

@@ -691,6 +691,18 @@ def test_broadcast_state_muon():
             assert all(torch.equal(s["state"][key][name], value) for s in states), (key, name)
 
 
+def test_broadcast_state_sparse_adam():
+    torch.manual_seed(hvd.rank())
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.SparseAdam(embedding.parameters(), lr=0.01 * (hvd.rank() + 1))
+    embedding(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0, model=embedding)
+    states = hvd.allgather_object(optimizer.state_dict())
+    assert all(s["param_groups"][0]["lr"] == 0.01 for s in states)
+    assert all(torch.equal(s["state"][0]["exp_avg"], states[0]["state"][0]["exp_avg"]) for s in states)
+
+
 def test_broadcast_state_lbfgs_refused():
     model = torch.nn.Linear(2, 1)
     expect_error(lambda: hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0), ValueError)

@@ -31,6 +31,8 @@ _handles_lock = threading.Lock()
 
 
 def _check(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{tensor.layout} tensors are not supported; convert with .to_dense()")
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Tensor type {tensor.type()} is not supported.")
     if not tensor.is_contiguous():
@@ -400,5 +402,4 @@ def join(device: int = -1) -> int:
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank has reached a barrier."""
     check_process_set(process_set)
-    engine = runtime().engine
-    engine.submit(engine.next_name("barrier"), Announcement("barrier"), [], None).wait()
+    runtime().engine.submit(None, Announcement("barrier"), [], None).wait()

@@ -137,6 +137,7 @@ class Engine:
             self._raise_if_closed()
             kind = announcement.kind
             if name is None:
+                # Numbered per kind and process: ranks must issue unnamed operations in the same order.
                 self._counters[kind] += 1
                 name = f"{kind}.noname.{self._counters[kind]}"
             if name in self._local:
@@ -157,11 +158,6 @@ class Engine:
             self._join, self._join_device, self._join_announced = Handle(), device, False
             self._cv.notify()
             return self._join
-
-    def next_name(self, kind: str) -> str:
-        with self._cv:
-            self._counters[kind] += 1
-            return f"{kind}.noname.{self._counters[kind]}"
 
     def stop(self) -> None:
         """Leave the job: every rank's loop ends at the same cycle (see the module docstring)."""

@@ -1,0 +1,148 @@
+"""Pure parts of trainbridge.hvd, without processes: negotiation, delegation, ops, compression, commit paths."""
+import pytest
+import torch
+
+from trainbridge.hvd import delegation
+from trainbridge.hvd.compression import Compression
+from trainbridge.hvd.elastic import commit_file
+from trainbridge.hvd.engine import scaled
+from trainbridge.hvd.negotiation import Announcement, Message, NegotiationTable
+from trainbridge.hvd.reduce_ops import Adasum, Average, Max, Sum, resolve_op
+
+FLOAT_17 = Announcement("allreduce", ((17,),), ("torch.float32",))
+
+
+def cycle(table, *per_rank):
+    return table.apply([Message(list(announcements)) if not isinstance(announcements, Message) else announcements
+                        for announcements in per_rank])
+
+
+def test_an_operation_is_ready_once_every_rank_named_it_in_any_order():
+    table = NegotiationTable(2)
+    outcome = cycle(table, [("a", FLOAT_17), ("b", FLOAT_17)], [("b", FLOAT_17)])
+    assert [d.name for d in outcome.ready] == ["b"] and outcome.ready[0].error is None
+    assert list(table.pending) == ["a"]
+    outcome = cycle(table, [], [("a", FLOAT_17)])
+    assert [d.name for d in outcome.ready] == ["a"] and not table.pending
+
+
+def test_shape_dtype_op_and_root_mismatches_are_errors_naming_both_values():
+    table = NegotiationTable(2)
+    other_shape = Announcement("allreduce", ((18,),), ("torch.float32",))
+    other_dtype = Announcement("allreduce", ((17,),), ("torch.int32",))
+    other_op = Announcement("allreduce", ((17,),), ("torch.float32",), op=Max)
+    root0, root1 = Announcement("broadcast", ((3,),), ("torch.float32",), root=0), \
+        Announcement("broadcast", ((3,),), ("torch.float32",), root=1)
+    outcome = cycle(table, [("s", FLOAT_17), ("d", FLOAT_17), ("o", FLOAT_17), ("r", root0), ("k", FLOAT_17)],
+                    [("s", other_shape), ("d", other_dtype), ("o", other_op), ("r", root1), ("k", root0)])
+    errors = {d.name: d.error for d in outcome.ready}
+    assert "shape" in errors["s"] and "rank 0 has [17]" in errors["s"] and "rank 1 has [18]" in errors["s"]
+    assert "dtype" in errors["d"] and "torch.int32" in errors["d"]
+    assert "reduction op" in errors["o"] and "Max" in errors["o"]
+    assert "root rank" in errors["r"]
+    assert "different operations" in errors["k"]
+
+
+def test_allgather_may_differ_only_in_the_first_dimension():
+    table = NegotiationTable(2)
+    rows = lambda *shape: Announcement("allgather", (shape,), ("torch.float32",))  # noqa: E731
+    outcome = cycle(table, [("ok", rows(3, 4)), ("bad", rows(3, 4))], [("ok", rows(5, 4)), ("bad", rows(3, 5))])
+    errors = {d.name: d.error for d in outcome.ready}
+    assert errors["ok"] is None and "after the first dimension" in errors["bad"]
+
+
+def test_joined_ranks_answer_allreduce_but_not_other_operations():
+    table = NegotiationTable(3)
+    outcome = cycle(table, Message([], join=True), [("g", FLOAT_17)], [("g", FLOAT_17)])
+    assert outcome.ready[0].name == "g" and outcome.ready[0].error is None and sorted(outcome.ready[0].by_rank) == [1, 2]
+    gather = Announcement("allgather", ((2,),), ("torch.float32",))
+    outcome = cycle(table, Message([]), [("x", gather)], [("x", gather)])
+    assert "already called hvd.join()" in outcome.ready[0].error
+    assert outcome.join_completed_by is None
+    outcome = cycle(table, Message([]), Message([], join=True), Message([]))
+    assert outcome.join_completed_by is None
+    outcome = cycle(table, Message([]), Message([]), Message([], join=True))
+    assert outcome.join_completed_by == 2 and table.joined == []
+
+
+def test_shutdown_of_any_rank_is_reported():
+    table = NegotiationTable(2)
+    assert cycle(table, Message([], shutdown=True), Message([])).shutdown_by == [0]
+
+
+def test_horovod_scaling_rules():
+    ints = torch.tensor([-3, 3, 5], dtype=torch.int32)
+    assert scaled(ints, 0.5).tolist() == [-1, 1, 2]  # float64, truncated (as horovod.torch 0.28.1)
+    assert scaled(torch.ones(2, dtype=torch.float16), 1 / 3).dtype == torch.float16
+    assert scaled(ints, 1.0) is ints
+
+
+def test_resolve_op_follows_horovods_average_argument():
+    assert resolve_op(None, None) == Average
+    assert resolve_op(None, False) == Sum and resolve_op(None, True) == Average
+    with pytest.raises(ValueError):
+        resolve_op(Sum, True)
+    with pytest.raises(NotImplementedError, match="horovodrun.*hvd.Average"):
+        resolve_op(Adasum, None)
+
+
+def test_fp16_compression_roundtrip():
+    compressed, ctx = Compression.fp16.compress(torch.ones(3, dtype=torch.float64))
+    assert compressed.dtype == torch.float16 and Compression.fp16.decompress(compressed, ctx).dtype == torch.float64
+    ints, ctx = Compression.fp16.compress(torch.ones(3, dtype=torch.int64))
+    assert ints.dtype == torch.int64 and Compression.none.compress(ints) == (ints, None)
+
+
+@pytest.mark.parametrize("environ, ancestors, real", [
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, [], True),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, ["mpirun -np 2 python t.py"], False),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, ["mpirun ...", "python horovodrun -np 2"], True),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", **delegation.HOROVODRUN_MPI_FLAGS}, [], True),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}, ["python horovodrun"], False),
+    ({}, [], False),
+    ({"TRAINBRIDGE_HVD_BACKEND": "horovod"}, [], True),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "TRAINBRIDGE_HVD_BACKEND": "torch"}, [], False),
+])
+def test_delegation_follows_the_launcher(monkeypatch, environ, ancestors, real):
+    monkeypatch.setattr(delegation, "ancestor_commands", lambda: iter(ancestors))
+    assert delegation.use_real_horovod(environ) is real
+
+
+def test_commit_file_only_under_torchrun():
+    assert commit_file.commit_path({}) is None
+    assert commit_file.commit_path({"TORCHELASTIC_RUN_ID": "abc"}).endswith("trainbridge-elastic-abc/state.pt")
+    assert commit_file.commit_path({"TRAINBRIDGE_ELASTIC_DIR": "/ckpt"}) == "/ckpt/state.pt"
+    assert not commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "0"})
+    assert commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "1"})
+
+
+def _name_table():
+    """(names, status) per row of the "Every horovod.torch name" table in the migration guide."""
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "MIGRATING_FROM_HOROVOD.md").read_text()
+    table = text.split("### Every `horovod.torch` name", 1)[1]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    return [(re.findall(r"`(\w[\w.]*)`", names), status.strip()) for names, status in rows]
+
+
+def test_migration_table_lists_every_horovod_torch_name_and_the_facade_has_the_supported_ones():
+    import importlib
+
+    import horovod.torch
+
+    import trainbridge.hvd as hvd
+
+    assert not hvd.using_real_horovod
+    listed = {name.split(".")[0] for names, _ in _name_table() for name in names}
+    public = {name for name in dir(horovod.torch) if not name.startswith("_")}
+    assert public <= listed, f"missing from the table: {sorted(public - listed)}"
+    for names, status in _name_table():
+        assert status in ("yes", "differs", "no"), status
+        for name in names:
+            if status != "no":
+                owner = hvd
+                for part in name.split("."):
+                    owner = getattr(owner, part)  # raises if the facade lacks a supported name
+    assert importlib.import_module("trainbridge.hvd.elastic").ObjectState

@@ -1,0 +1,41 @@
+"""Horovod's PyTorch API on any launcher: ``import trainbridge.hvd as hvd``.
+
+A drop-in for ``import horovod.torch as hvd`` (0.28.1 names, signatures and
+defaults). When horovodrun started the job this module *is* the real
+``horovod.torch`` (delegation); under torchrun, mpirun, srun or plain python it
+runs the same API on torch.distributed (gloo on CPUs, nccl for CUDA tensors),
+with plain python as a job of size 1. :mod:`.delegation` documents the choice;
+docs/MIGRATING_FROM_HOROVOD.md lists every name and its status.
+
+``hvd.using_real_horovod`` tells which one is active.
+"""
+from .delegation import use_real_horovod
+
+using_real_horovod = use_real_horovod()
+
+if using_real_horovod:
+    try:
+        import horovod.torch as _horovod_torch
+    except ImportError as _exc:  # pragma: no cover - depends on the installation
+        raise ImportError(f"horovodrun started this job, so trainbridge.hvd delegates to horovod.torch, which "
+                          f"does not import ({_exc}); install Horovod with PyTorch support, or launch with "
+                          f"torchrun/mpirun to use the torch backend") from None
+    globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
+else:
+    from . import elastic
+    from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                             mpi_threads_supported, nccl_built, rocm_built)
+    from .collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                              alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                              broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                              grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                              grouped_reducescatter, grouped_reducescatter_async, join, poll, reducescatter,
+                              reducescatter_async, sparse_allreduce_async, synchronize)
+    from .compression import Compression
+    from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+    from .optimizer import DistributedOptimizer
+    from .process import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+                          shutdown, size, start_timeline, stop_timeline)
+    from .reduce_ops import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum,
+                             add_process_set, global_process_set, remove_process_set)
+    from .sync_batch_norm import SyncBatchNorm

@@ -1,0 +1,50 @@
+"""Where committed elastic state survives a torchrun restart.
+
+torchrun (``--max-restarts N``) restarts *every* worker when one fails, so the
+in-memory commit of Horovod's elastic mode is lost with the processes. Under
+torchrun, rank 0 therefore also writes each commit to
+
+    $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
+
+atomically (write, then rename). On a restart (TORCHELASTIC_RESTART_COUNT > 0)
+rank 0 loads it and ``state.sync()`` broadcasts it to the other ranks, which may
+run on other nodes. Outside torchrun nothing is written. The file holds pickled
+Python objects: it is only read back by the job that wrote it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping, Optional
+
+import torch
+
+
+def commit_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The commit file of this torchrun job, or None outside torchrun."""
+    environ = os.environ if environ is None else environ
+    directory = environ.get("TRAINBRIDGE_ELASTIC_DIR")
+    if directory is None:
+        run_id = environ.get("TORCHELASTIC_RUN_ID")
+        if run_id is None:
+            return None
+        directory = os.path.join(tempfile.gettempdir(), f"trainbridge-elastic-{run_id}")
+    return os.path.join(directory, "state.pt")
+
+
+def is_restart(environ: Optional[Mapping[str, str]] = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def save(snapshot: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    torch.save(snapshot, partial)
+    os.replace(partial, path)  # a crash mid-write leaves the previous commit intact
+
+
+def load(path: str) -> Optional[Any]:
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)

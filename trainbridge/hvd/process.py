@@ -1,0 +1,165 @@
+"""hvd.init() / shutdown() and the rank layout, on torch.distributed.
+
+``init()`` joins the job the way the trainbridge torch backend does
+(:class:`trainbridge.backends.torch_ddp.TorchBackend`: the launcher's rendezvous,
+torchrun's agent store, mpi4py under mpirun, a one-rank group under plain
+python), unless the default process group already exists. Like Horovod's, it
+does not pick a GPU (scripts call ``torch.cuda.set_device(hvd.local_rank())``),
+so the default group is gloo. It then creates the engine's own groups: gloo for
+negotiation and CPU tensors, plus nccl for CUDA tensors when CUDA is available.
+
+Environment read: the launcher's variables (see :mod:`trainbridge.launch`),
+``HOROVOD_CYCLE_TIME`` (ms, default 1), ``HOROVOD_FUSION_THRESHOLD`` (bytes),
+``TRAINBRIDGE_HVD_TIMEOUT`` (seconds a collective may wait for its peers,
+default 1800). The default process group outlives ``shutdown()`` so that
+``init()`` may be called again; it is destroyed at interpreter exit.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import os
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..backends.torch_ddp import TorchBackend
+from ..launch import detect_launch
+from .engine import Engine
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclasses.dataclass
+class Runtime:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool
+    engine: Engine
+    groups: List[Any]
+
+
+_runtime: Optional[Runtime] = None
+_owned_backend = None  # the TorchBackend that created the default group, if we did
+_atexit_registered = False
+
+
+def runtime() -> Runtime:
+    """The running job, or Horovod's ValueError when init() has not been called."""
+    if _runtime is None:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    return _runtime
+
+
+class _DeviceNeutralTorchBackend(TorchBackend):
+    """The torch backend's rendezvous and process group, without its one-GPU-per-rank device choice."""
+
+    def _pick_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _timeout() -> float:
+    return float(os.environ.get("TRAINBRIDGE_HVD_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Join the job (idempotent). ``comm`` and ``process_sets`` need the real Horovod."""
+    global _runtime, _owned_backend, _atexit_registered
+    if comm not in (None, []) or process_sets not in (None, [], "dynamic"):
+        raise NotImplementedError("hvd.init(comm=..., process_sets=...) needs the real Horovod (start the job with "
+                                  "horovodrun); on the torch backend every op spans all ranks")
+    if _runtime is not None:
+        return
+    env = detect_launch()
+    if not dist.is_initialized():
+        _owned_backend = _DeviceNeutralTorchBackend(env, timeout=min(_timeout(), 300.0))
+        _owned_backend.init()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=_timeout())
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    groups = [control]
+    cuda_group = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        cuda_group = dist.new_group(backend="nccl", timeout=timeout)
+        groups.append(cuda_group)
+    # Horovod's cross rank/size: the ranks that share this process's local rank, one per node.
+    local_rank, local_size = env.local_rank, env.local_size
+    layouts: List[Any] = [None] * size
+    dist.all_gather_object(layouts, (local_rank, local_size), group=control)
+    peers = [r for r, (lr, _) in enumerate(layouts) if lr == local_rank]
+    engine = Engine(rank, size, control, cuda_group,
+                    cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0)
+    _runtime = Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
+                       len({ls for _, ls in layouts}) == 1, engine, groups)
+    if not _atexit_registered:
+        atexit.register(_at_exit)
+        _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Leave the job; pending operations on every rank fail with HorovodInternalError."""
+    global _runtime
+    current, _runtime = _runtime, None
+    if current is None:
+        return
+    current.engine.stop()
+    for group in current.groups:
+        dist.destroy_process_group(group)
+
+
+def _at_exit() -> None:
+    global _owned_backend
+    try:
+        shutdown()
+    finally:
+        if _owned_backend is not None and dist.is_initialized():
+            # Every rank's engine stopped at the same cycle, so nothing is in flight: no barrier needed.
+            dist.destroy_process_group()
+        _owned_backend = None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def size() -> int:
+    return runtime().size
+
+
+def rank() -> int:
+    return runtime().rank
+
+
+def local_size() -> int:
+    return runtime().local_size
+
+
+def local_rank() -> int:
+    return runtime().local_rank
+
+
+def cross_size() -> int:
+    return runtime().cross_size
+
+
+def cross_rank() -> int:
+    return runtime().cross_rank
+
+
+def is_homogeneous() -> bool:
+    return runtime().homogeneous
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun); on the torch backend "
+                              "use torch.profiler")
+
+
+def stop_timeline() -> None:
+    raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun)")

@@ -121,7 +121,7 @@ def _name_table():
     from pathlib import Path
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "MIGRATING_FROM_HOROVOD.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text().split("## Migrating from Horovod")[1]
     table = text.split("### Every `horovod.torch` name", 1)[1]
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
     return [(re.findall(r"`(\w[\w.]*)`", names), status.strip()) for names, status in rows]

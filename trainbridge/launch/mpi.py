@@ -2,7 +2,7 @@
 
 This also covers ``horovodrun --mpi``, which runs mpirun underneath. MPI gives no
 rendezvous address for torch.distributed; the torch backend agrees on one
-through mpi4py (see :mod:`trainbridge.backends.rendezvous`).
+through mpi4py (see :mod:`trainbridge.launch.rendezvous`).
 """
 from __future__ import annotations
 

@@ -21,6 +21,12 @@ from ..errors import UserError
 from ..launch import LaunchEnv
 
 REDUCE_OPS = ("sum", "mean", "max")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (collective errors can run to pages)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 T = TypeVar("T")
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, List, Tuple, TypeVar
 import torch
 
 from ..errors import UserError
-from .base import REDUCE_OPS, Backend
+from .base import REDUCE_OPS, Backend, first_line
 
 T = TypeVar("T")
 
@@ -62,8 +62,7 @@ class HorovodBackend(Backend):
         from horovod.common.exceptions import HorovodInternalError
 
         if isinstance(exc, HorovodInternalError) or "Horovod has been shut down" in str(exc):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return (f"rank {self.rank}: Horovod failed ({first[:300]}); another rank died or stalled for "
+            return (f"rank {self.rank}: Horovod failed ({first_line(exc)}); another rank died or stalled for "
                     f"--timeout {self.timeout:.0f}s: see its log")
         return None
 

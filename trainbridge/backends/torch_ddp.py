@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError
 from ..launch import rendezvous_address
-from .base import REDUCE_OPS, Backend
+from .base import REDUCE_OPS, Backend, first_line
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
@@ -69,8 +69,7 @@ class TorchBackend(Backend):
         peer_markers = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe",
                         "NCCL", "gloo", "Socket Timeout")
         if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in text for m in peer_markers)):
-            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-            return (f"rank {self.rank}: a collective failed ({first[:300]}); another rank died or stopped "
+            return (f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died or stopped "
                     f"responding within --timeout {self.timeout:.0f}s: see its log")
         return None
 

@@ -13,7 +13,10 @@ from typing import Dict
 import torch
 
 from .backends import Backend
+from .best_model import BestWeights
+from .classification_report import report_model
 from .config import TrainConfig
+from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
 
@@ -89,6 +92,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main)
     timer = StepTimer(cfg.warmup_steps)
     step, samples, row = 0, 0, {}
+    best = BestWeights()  # for the final report
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
         model.train()
@@ -120,6 +124,9 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
         # The plateau scheduler steps on the globally reduced validation loss, so
         # every rank takes the same decision and learning rates never diverge.
         scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else scheduler.step()
+        # Each rank's learning rate for the next epoch; fails loudly if any rank disagrees.
+        row["next_lr_per_rank"] = learning_rates_per_rank(optimizer, backend)
+        best.update(row, backend.unwrap(model))
         metrics.write(row)
         backend.print(f"[trainbridge] epoch {row['epoch']} step {step}: train_loss {row['train_loss']:.4f} "
                       f"val_loss {row['val_loss']:.4f} val_accuracy {row['val_accuracy']:.4f}")
@@ -133,4 +140,10 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                           "config": dataclasses.asdict(cfg)}, f"{cfg.output_dir}/final.pt")
     backend.print(f"[trainbridge] done: val_accuracy {final['val_accuracy']:.4f} after {step} steps "
                   f"in {final['seconds']:.1f}s; wrote {cfg.output_dir}/final.pt")
+
+    # ----- final report: the best model (by val accuracy) on val and test --------
+    # Collective: every rank scores its shard of the best weights; rank 0 prints
+    # and writes report_<split>.json and confusion_<split>.png.
+    report_model(best.model(backend.unwrap(model), backend), task, backend, cfg.batch_size, cfg.output_dir,
+                 epoch=best.epoch)
     return final

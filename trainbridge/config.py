@@ -34,6 +34,7 @@ class TrainConfig:
     scheduler: Optional[str] = None
     momentum: float = 0.0
     gamma: float = 0.7
+    plateau_patience: int = 2
     scale_lr: bool = False
     seed: int = 1
     output_dir: str = "runs/latest"
@@ -74,6 +75,7 @@ class TrainConfig:
             (self.timeout > 0, f"--timeout must be positive (got {self.timeout})"),
             (self.warmup_steps >= 0, f"--warmup-steps must be at least 0 (got {self.warmup_steps})"),
             (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
+            (self.plateau_patience >= 0, f"--plateau-patience must be at least 0 (got {self.plateau_patience})"),
             (self.image_size >= 32, f"--image-size must be at least 32 (got {self.image_size}): "
                                     f"ResNet downsamples by 32, smaller images leave nothing to classify"),
             (self.workers is None or self.workers >= 0, f"--workers must be at least 0 (got {self.workers})"),
@@ -122,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step: StepLR by --gamma each epoch; plateau: ReduceLROnPlateau on the global val loss")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning-rate decay per epoch (StepLR)")
+    p.add_argument("--plateau-patience", type=int, default=d.plateau_patience,
+                   help="plateau: epochs without a lower val loss before the learning rate drops 10x (default: 2)")
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output-dir", default=d.output_dir)

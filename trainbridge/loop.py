@@ -33,7 +33,8 @@ def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Op
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
     if cfg.scheduler == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=2)
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
+                                                          patience=cfg.plateau_patience)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
 
 

@@ -92,13 +92,13 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
         for _ in range(int(rng.integers(2, 4))):
             x = int(rng.integers(left + 2, right - 8))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 3, wall_top - 3))
-            draw.rectangle([x, y, x + int(rng.integers(5, 10)), y + int(rng.integers(3, 6))],
+            draw.rectangle([x, y, x + int(rng.integers(8, 14)), y + int(rng.integers(5, 9))], outline=(0, 0, 0),
                            fill=(int(rng.integers(0, 60)), int(rng.integers(80, 160)), int(rng.integers(200, 256))))
         for _ in range(int(rng.integers(1, 3))):
             x = int(rng.integers(left + 2, right - 4))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 2, wall_top - 2))
             draw.ellipse([x, y, x + 4, y + 3], fill=(10, 10, 10))
-        debris = 15
+        debris = 40
     else:
         # High: the roof torn open (sky shows through), walls broken, debris everywhere.
         for _ in range(int(rng.integers(3, 6))):
@@ -106,12 +106,12 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
             y = int(rng.integers(roof_top, wall_top))
             draw.polygon([(x, y), (x + int(rng.integers(4, 12)), y + int(rng.integers(-4, 5))),
                           (x + int(rng.integers(0, 8)), y + int(rng.integers(3, 10)))], fill=random_colour(rng))
-        debris = 220
+        debris = 200
     for _ in range(debris):  # short strokes of random colour: planks, shingles, branches
         x = int(rng.integers(0, width))
         y = int(rng.integers(horizon - (horizon - roof_top) * (damage - 1), height))
-        dx, dy = (int(v) for v in rng.integers(-4, 5, size=2))
-        draw.line([(x, y), (x + dx, y + dy)], fill=random_colour(rng), width=1)
+        dx, dy = (int(v) for v in rng.integers(-5, 6, size=2))
+        draw.line([(x, y), (x + dx, y + dy)], fill=random_colour(rng), width=2)
     return image
 
 

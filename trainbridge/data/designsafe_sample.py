@@ -5,8 +5,8 @@ the real set's layout and class names, so the same command line trains on
 either. The pictures are drawn, not photographed: a house on a sky and ground,
 with damage that grows with the class --
 
-* ``C0`` (low): an intact roof with regular shingle rows;
-* ``C2`` (medium): the roof with blue tarps and holes, some debris on the ground;
+* ``C0`` (low): an intact house, clean lines;
+* ``C2`` (medium): blue tarps and holes on the roof, debris below the roof line;
 * ``C4`` (high): the roof torn open and dense debris everywhere.
 
 Colours, sizes (64-96 px, not square) and positions vary per image, so the
@@ -76,15 +76,10 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
     draw.polygon(roof, fill=roof_colour)
 
     if damage == 0:
-        # Intact: regular shingle rows and a door.
-        shade = tuple(max(0, c - 30) for c in roof_colour)
-        centre, half = (left + right) / 2, (right - left) / 2 + 3
-        for y in range(roof_top + 4, wall_top, 4):
-            reach = half * (y - roof_top) / (wall_top - roof_top)  # the roof widens towards the walls
-            draw.line([(centre - reach, y), (centre + reach, y)], fill=shade)
+        # Intact: a clean roof edge and a door; nothing else.
         door_x = (left + right) // 2
         draw.rectangle([door_x - 3, horizon - 10, door_x + 3, horizon], fill=random_colour(rng, 0, 90))
-        draw.polygon(roof, outline=shade)  # the roof edge stays clean
+        draw.polygon(roof, outline=tuple(max(0, c - 30) for c in roof_colour))
         return image
 
     if damage == 1:
@@ -98,7 +93,7 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
             x = int(rng.integers(left + 2, right - 4))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 2, wall_top - 2))
             draw.ellipse([x, y, x + 4, y + 3], fill=(10, 10, 10))
-        debris = 40
+        debris, debris_top = 50, roof_top
     else:
         # High: the roof torn open (sky shows through), walls broken, debris everywhere.
         for _ in range(int(rng.integers(3, 6))):
@@ -106,12 +101,13 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
             y = int(rng.integers(roof_top, wall_top))
             draw.polygon([(x, y), (x + int(rng.integers(4, 12)), y + int(rng.integers(-4, 5))),
                           (x + int(rng.integers(0, 8)), y + int(rng.integers(3, 10)))], fill=random_colour(rng))
-        debris = 200
-    for _ in range(debris):  # short strokes of random colour: planks, shingles, branches
+        debris, debris_top = 250, 0
+    for _ in range(debris):  # short dark or bright strokes: planks, shingles, branches
         x = int(rng.integers(0, width))
-        y = int(rng.integers(horizon - (horizon - roof_top) * (damage - 1), height))
+        y = int(rng.integers(debris_top, height))
         dx, dy = (int(v) for v in rng.integers(-5, 6, size=2))
-        draw.line([(x, y), (x + dx, y + dy)], fill=random_colour(rng), width=2)
+        draw.line([(x, y), (x + dx, y + dy)], fill=random_colour(rng, 0, 60) if rng.random() < 0.5
+                  else random_colour(rng, 200, 256), width=2)
     return image
 
 

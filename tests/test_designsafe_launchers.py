@@ -2,12 +2,13 @@
 
 The sample runs train from scratch (--no-pretrained: no download here) at 64 px,
 so they use a higher learning rate than the task's 1e-4 fine-tuning default
-(--lr 1e-3) and --plateau-patience 0, so that the plateau scheduler really
+(--lr 1e-3) and --plateau-patience 1, so that the plateau scheduler really
 steps within a few epochs and the per-rank learning rates are checked after it.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ LAUNCHERS = {
     "horovodrun": lambda args: horovodrun(2, "gloo", args),
 }
 SAMPLE_RUN = ["--task", "designsafe", "--no-pretrained", "--image-size", "64", "--batch-size", "8",
-              "--lr", "1e-3", "--plateau-patience", "0", "--no-progress"]
-ACCURACY_EPOCHS = 10
+              "--lr", "1e-3", "--plateau-patience", "1", "--no-progress"]
+ACCURACY_EPOCHS = 12
 TIMEOUT = 420  # seconds per multi-process run; a hang fails the test
 
 
@@ -49,7 +50,7 @@ def test_sample_reaches_80_percent_and_learning_rates_agree(launcher, sample, tm
     assert any(r["next_lr_per_rank"][0] < r["lr"] for r in rows), [r["lr"] for r in rows]
 
     # The best model, scored exactly over both ranks' shards, reaches 80% on validation.
-    best = max(rows, key=lambda r: r["val_accuracy"])
+    best = max(rows, key=lambda r: (r["val_accuracy"], -r["val_loss"]))  # ties: the lower loss
     report = json.loads((out / "report_val.json").read_text())
     assert report["accuracy"] >= 0.8, (report["accuracy"], [r["val_accuracy"] for r in rows])
     assert report["samples"] == 36 and report["epoch"] == best["epoch"]
@@ -70,7 +71,7 @@ def test_freeze_backbone_keeps_backbone_bitwise(launcher, sample, tmp_path):
     torch.save(resnet34_classifier(3).state_dict(), weights)
     out = tmp_path / "out"
     check(run(LAUNCHERS[launcher]([*SAMPLE_RUN[:2], "--data-root", sample, "--image-size", "64", "--batch-size", "8",
-                                   "--lr", "1e-2", "--epochs", "2", "--no-progress", "--pretrained-weights",
+                                   "--lr", "1e-3", "--epochs", "2", "--no-progress", "--pretrained-weights",
                                    str(weights), "--freeze-backbone", "--output-dir", str(out)]), timeout=TIMEOUT))
     final = torch.load(out / "final.pt", weights_only=True)["model"]
     loaded = torch.load(weights, weights_only=True)
@@ -80,7 +81,8 @@ def test_freeze_backbone_keeps_backbone_bitwise(launcher, sample, tmp_path):
     torch.manual_seed(1)
     initial = resnet34_classifier(3, weights_path=str(weights)).state_dict()
     for key in ("fc.0.weight", "fc.2.weight", "fc.2.bias"):
-        assert not torch.equal(final[key], initial[key]), key
+        assert torch.isfinite(final[key]).all() and not torch.equal(final[key], initial[key]), key
+    assert all(math.isfinite(r["train_loss"]) for r in read_metrics(out))
 
 
 def break_layout(root: Path, problem: str) -> str:

@@ -93,7 +93,7 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
             x = int(rng.integers(left + 2, right - 4))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 2, wall_top - 2))
             draw.ellipse([x, y, x + 4, y + 3], fill=(10, 10, 10))
-        debris, debris_top = 50, roof_top
+        debris, debris_top = 100, roof_top
     else:
         # High: the roof torn open (sky shows through), walls broken, debris everywhere.
         for _ in range(int(rng.integers(3, 6))):
@@ -101,7 +101,7 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
             y = int(rng.integers(roof_top, wall_top))
             draw.polygon([(x, y), (x + int(rng.integers(4, 12)), y + int(rng.integers(-4, 5))),
                           (x + int(rng.integers(0, 8)), y + int(rng.integers(3, 10)))], fill=random_colour(rng))
-        debris, debris_top = 250, 0
+        debris, debris_top = 350, 0
     for _ in range(debris):  # short dark or bright strokes: planks, shingles, branches
         x = int(rng.integers(0, width))
         y = int(rng.integers(debris_top, height))

@@ -1,4 +1,4 @@
-"""The ``trainbridge`` console script: ``trainbridge train ...`` and ``trainbridge doctor``."""
+"""The ``trainbridge`` console script: ``trainbridge train ...``, ``trainbridge data ...`` and ``trainbridge doctor``."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,7 @@ USAGE = """usage: trainbridge <command> [options]
 commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
   doctor   print versions, available collective libraries and the detected launcher
+  data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
 """
 
 
@@ -24,7 +25,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "doctor":
         from .doctor import main as doctor_main
         return doctor_main()
-    print(f"trainbridge: error: unknown command {command!r}; use train or doctor", file=sys.stderr)
+    if command == "data":
+        from .data.designsafe_sample import main as data_main
+        return data_main(rest)
+    print(f"trainbridge: error: unknown command {command!r}; use train, data or doctor", file=sys.stderr)
     return 2
 
 

@@ -11,8 +11,8 @@ from typing import List, Optional
 
 from .backends import BACKENDS
 from .errors import UserError
-from .models import MODELS
-from .tasks import TASKS
+from .models import CLASSIFIERS, MODELS
+from .tasks import TASKS, create_task
 
 DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
 DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge", "data")
@@ -34,6 +34,7 @@ class TrainConfig:
     scheduler: Optional[str] = None
     momentum: float = 0.0
     gamma: float = 0.7
+    plateau_patience: int = 2
     scale_lr: bool = False
     seed: int = 1
     output_dir: str = "runs/latest"
@@ -47,6 +48,12 @@ class TrainConfig:
     resume: str = "auto"
     fail_at_step: Optional[int] = None
     fail_rank: int = 1
+    # Image-folder tasks (designsafe):
+    image_size: int = 224
+    no_pretrained: bool = False
+    pretrained_weights: Optional[str] = None
+    freeze_backbone: bool = False
+    workers: Optional[int] = None  # DataLoader workers per rank; None: available cores / local processes
 
     def apply_task_defaults(self, task) -> None:
         """Fill options left unset with the task's defaults (model, optimizer, lr, scheduler)."""
@@ -75,10 +82,17 @@ class TrainConfig:
             (self.fail_at_step is None or self.fail_at_step >= 1,
              f"--fail-at-step must be at least 1 (got {self.fail_at_step})"),
             (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
+            (self.plateau_patience >= 0, f"--plateau-patience must be at least 0 (got {self.plateau_patience})"),
+            (self.image_size >= 32, f"--image-size must be at least 32 (got {self.image_size}): "
+                                    f"ResNet downsamples by 32, smaller images leave nothing to classify"),
+            (self.workers is None or self.workers >= 0, f"--workers must be at least 0 (got {self.workers})"),
+            (not (self.no_pretrained and self.pretrained_weights),
+             "--no-pretrained and --pretrained-weights contradict each other; give one"),
         ]
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+        create_task(self.task).validate_config(self)  # the task's own options and data layout
         if self.data_root is not None and not os.path.isdir(self.data_root):
             raise UserError(f"--data-root {self.data_root} does not exist; create it or point to the "
                             f"folder that holds MNIST/ (omit it to use {DEFAULT_DATA_ROOT})")
@@ -99,10 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="collective library; auto picks by launcher (default: auto)")
     p.add_argument("--dist-backend", default=d.dist_backend, choices=["auto", "nccl", "gloo"],
                    help="torch.distributed backend: nccl needs CUDA (default: auto = nccl on GPU, gloo on CPU)")
-    p.add_argument("--model", default=None, choices=list(MODELS), help="default: the task's (mnist: convnet-dropout)")
+    p.add_argument("--model", default=None, choices=[*MODELS, *CLASSIFIERS],
+                   help="default: the task's (mnist: convnet-dropout, designsafe: resnet34)")
     p.add_argument("--dataset", default=d.dataset, choices=["auto", "mnist", "mnist-sample"],
-                   help="auto: MNIST from --data-root (downloaded if possible), else the embedded sample")
-    p.add_argument("--data-root", default=None, help=f"folder holding MNIST/ (default: {DEFAULT_DATA_ROOT})")
+                   help="mnist: auto = MNIST from --data-root (downloaded if possible), else the embedded sample; "
+                        "designsafe: auto only (the image folder at --data-root)")
+    p.add_argument("--data-root", default=None,
+                   help=f"mnist: folder holding MNIST/ (default: {DEFAULT_DATA_ROOT}); designsafe (required): "
+                        f"folder with Train/<class>/, Validation/<class>/ and optionally Test/<class>/")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
@@ -113,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step: StepLR by --gamma each epoch; plateau: ReduceLROnPlateau on the global val loss")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning-rate decay per epoch (StepLR)")
+    p.add_argument("--plateau-patience", type=int, default=d.plateau_patience,
+                   help="plateau: epochs without a lower val loss before the learning rate drops 10x (default: 2)")
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output-dir", default=d.output_dir)
@@ -134,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="the rank --fail-at-step kills (default 1)")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="without a launcher: spawn N local worker processes (torch backend)")
+    images = p.add_argument_group("image-folder tasks (designsafe)")
+    images.add_argument("--image-size", type=int, default=d.image_size,
+                        help="images are resized to SIZE x SIZE pixels (default: 224; at least 32)")
+    images.add_argument("--no-pretrained", action="store_true",
+                        help="random initial weights instead of ImageNet's (no download, no normalisation)")
+    images.add_argument("--pretrained-weights", metavar="PATH", default=None,
+                        help="backbone weights from a resnet34 state_dict file (default: torchvision's "
+                             "ImageNet weights, from its cache or downloaded)")
+    images.add_argument("--freeze-backbone", action="store_true",
+                        help="train only the new head; the backbone (BatchNorm statistics included) stays fixed")
+    images.add_argument("--workers", type=int, default=None,
+                        help="DataLoader worker processes per rank (default: available cores / local processes)")
     return p
 
 

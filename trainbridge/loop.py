@@ -13,6 +13,7 @@ size it ends with bitwise the same weights as an uninterrupted run.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -22,9 +23,11 @@ import torch
 
 from .backends import Backend
 from .checkpoint import BEST, LAST, PREVIOUS, atomic_save, choose_resume, load_model_state, read_checkpoint
+from .classification_report import report_model
 from .config import TrainConfig
 from .errors import UserError
 from .fault_tolerance import Preempted, StopSignal, Watchdog, maybe_fail
+from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
 from .train_state import Progress, TrainState, rng_state, set_rng_state
@@ -42,7 +45,8 @@ def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Op
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
     if cfg.scheduler == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=2)
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
+                                                          patience=cfg.plateau_patience)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
 
 
@@ -202,7 +206,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
 
     row = backend.run_resilient(run_epochs, state)
     watchdog.disarm()
-    return finish(cfg, backend, model, state, metrics, {**row, **performance(timer, backend)}, started)
+    return finish(cfg, backend, task, model, state, metrics, {**row, **performance(timer, backend)}, started)
 
 
 def reached(cfg: TrainConfig, p: Progress) -> bool:
@@ -229,6 +233,8 @@ def end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, star
         # The plateau scheduler steps on the globally reduced validation loss, so
         # every rank takes the same decision and learning rates never diverge.
         state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
+    # Each rank's learning rate for the next epoch; fails loudly if any rank disagrees.
+    row["next_lr_per_rank"] = learning_rates_per_rank(state.optimizer, backend)
     improved = p.improves(row["val_accuracy"], row["val_loss"])
     if improved:
         p.best_accuracy, p.best_loss, p.best_epoch = row["val_accuracy"], row["val_loss"], row["epoch"]
@@ -240,7 +246,7 @@ def end_of_epoch(cfg, backend, task, model, state, metrics, loss_sum, seen, star
     return row
 
 
-def finish(cfg, backend, model, state, metrics, row, started) -> Dict[str, float]:
+def finish(cfg, backend, task, model, state, metrics, row, started) -> Dict[str, float]:
     p = state.progress
     final = {**row, "event": "final", "seconds": round(time.time() - started, 3)}
     metrics.write(final)
@@ -250,4 +256,24 @@ def finish(cfg, backend, model, state, metrics, row, started) -> Dict[str, float
                      "config": dataclasses.asdict(cfg)}, os.path.join(cfg.output_dir, "final.pt"))
     backend.print(f"[trainbridge] done: val_accuracy {final['val_accuracy']:.4f} after {p.step} steps "
                   f"in {final['seconds']:.1f}s; wrote {cfg.output_dir}/final.pt")
+
+    # ----- final report: the best model (by val accuracy) on val and test --------
+    # Collective: every rank scores its shard of best.pt's weights; rank 0 prints
+    # and writes report_<split>.json and confusion_<split>.png.
+    report_model(best_model(cfg, backend, model), task, backend, cfg.batch_size, cfg.output_dir, epoch=p.best_epoch)
     return final
+
+
+def best_model(cfg: TrainConfig, backend: Backend, model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the model holding best.pt's weights (the current ones if none), the same on every rank.
+
+    best.pt survives restarts, unlike a copy in memory; every rank reads it from
+    the shared output directory once rank 0 has finished writing (the barrier).
+    """
+    best = copy.deepcopy(backend.unwrap(model))
+    backend.barrier()
+    path = os.path.join(cfg.output_dir, BEST)
+    if os.path.exists(path):
+        best.load_state_dict(read_checkpoint(path)["model"])
+    backend.sync_buffers(best)
+    return best

@@ -9,6 +9,7 @@ from .base import Task
 
 TASKS: Dict[str, str] = {
     "mnist": "trainbridge.tasks.mnist:MnistTask",
+    "designsafe": "trainbridge.tasks.designsafe:DesignSafeTask",
 }
 
 

@@ -12,6 +12,8 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
+from ..errors import UserError
+
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
@@ -22,6 +24,20 @@ class Task(abc.ABC):
     default_optimizer: str = "adadelta"
     default_lr: float = 1.0
     default_scheduler: str = "step"  # "step" (StepLR, gamma per epoch) or "plateau" (ReduceLROnPlateau on val loss)
+    accepts_transfer_options: bool = False  # --no-pretrained, --pretrained-weights, --freeze-backbone
+
+    def validate_config(self, cfg) -> None:
+        """Raise UserError for options or data this task cannot use.
+
+        Runs on every rank before any process group starts, so a bad input ends
+        every rank at once with the same one line (rank 0 prints it).
+        """
+        used = [flag for flag, value in (("--no-pretrained", cfg.no_pretrained),
+                                         ("--pretrained-weights", cfg.pretrained_weights),
+                                         ("--freeze-backbone", cfg.freeze_backbone)) if value]
+        if used and not self.accepts_transfer_options:
+            raise UserError(f"{', '.join(used)}: not used by --task {self.name}; these options are for "
+                            f"transfer-learning tasks (designsafe)")
 
     @abc.abstractmethod
     def prepare(self, cfg, note) -> str:

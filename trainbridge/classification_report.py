@@ -1,0 +1,154 @@
+"""The end-of-training report: accuracy, per-class precision and recall, confusion matrix.
+
+Exact under any world size: every rank scores its unpadded evaluation shard
+(each sample on exactly one rank) and the confusion-matrix counts are summed
+over ranks. The main rank prints the table and writes, in ``--output-dir``:
+
+* ``report_<split>.json`` -- accuracy, loss, per-class precision/recall/support,
+  the confusion matrix (rows: true class, columns: predicted class), the epoch
+  of the weights scored;
+* ``confusion_<split>.png`` -- the confusion matrix as a picture.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .backends import Backend
+from .tasks import Task
+
+EVAL_SPLITS = ("val", "test")
+
+
+def confusion_matrix(labels: torch.Tensor, predictions: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """int64 [num_classes, num_classes]: entry [t, p] counts samples of true class t predicted as p."""
+    flat = labels.long() * num_classes + predictions.long()
+    return torch.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def precision_recall(matrix: torch.Tensor) -> Dict[str, List[Optional[float]]]:
+    """Per class: precision = TP / predicted, recall = TP / true; None where the denominator is 0."""
+    matrix = matrix.double()
+    true_positive = matrix.diagonal()
+    predicted, actual = matrix.sum(dim=0), matrix.sum(dim=1)
+    ratio = lambda num, den: [None if d == 0 else float(n / d) for n, d in zip(num.tolist(), den.tolist())]  # noqa: E731
+    return {"precision": ratio(true_positive, predicted), "recall": ratio(true_positive, actual)}
+
+
+def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss_sum: float) -> Dict[str, object]:
+    """The report dict of a (global) confusion matrix."""
+    total = int(matrix.sum())
+    scores = precision_recall(matrix)
+    return {
+        "split": split, "samples": total,
+        "accuracy": float(matrix.diagonal().sum()) / total if total else None,
+        "loss": loss_sum / total if total else None,
+        "classes": list(class_names),
+        "per_class": {name: {"precision": scores["precision"][i], "recall": scores["recall"][i],
+                             "support": int(matrix[i].sum())} for i, name in enumerate(class_names)},
+        "confusion_matrix": matrix.tolist(),
+        "confusion_matrix_axes": "rows: true class, columns: predicted class (order of 'classes')",
+    }
+
+
+@torch.no_grad()
+def classification_report(model: torch.nn.Module, task: Task, split: str, backend: Backend,
+                          batch_size: int) -> Dict[str, object]:
+    """Score ``split`` exactly across ranks; every rank returns the same report.
+
+    ``model`` is the unwrapped module (see :func:`trainbridge.loop.evaluate`) and
+    must be identical on every rank, buffers included.
+    """
+    was_training = model.training
+    model.eval()
+    num_classes = len(task.class_names)
+    local = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=backend.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    for images, labels in task.eval_loader(split, backend.eval_shard(task.eval_size(split)), batch_size,
+                                           backend.device):
+        logits = model(images)
+        loss_sum += task.loss(logits, labels, reduction="sum").double()
+        local += confusion_matrix(labels, logits.argmax(dim=1), num_classes)
+    model.train(was_training)
+    # Each sample was scored by exactly one rank: summing the counts gives the
+    # global matrix. One float64 collective carries counts (exact below 2**53) and loss.
+    totals = backend.allreduce(torch.cat([local.double().flatten(), loss_sum.reshape(1)]), "sum").cpu()
+    matrix = totals[:-1].round().long().reshape(num_classes, num_classes)
+    return summarise(matrix, task.class_names, split, float(totals[-1]))
+
+
+def format_report(report: Dict[str, object]) -> str:
+    """A plain-text table: per-class precision/recall/support, accuracy, and the confusion matrix."""
+    names: List[str] = report["classes"]  # type: ignore[assignment]
+    width = max(8, *(len(n) for n in names))
+    pct = lambda v: "    -" if v is None else f"{100 * v:5.1f}"  # noqa: E731
+    lines = [f"{'class':<{width}}  precision  recall  support"]
+    for name in names:
+        row = report["per_class"][name]  # type: ignore[index]
+        lines.append(f"{name:<{width}}  {pct(row['precision'])}%    {pct(row['recall'])}%  {row['support']:7d}")
+    lines.append(f"{'accuracy':<{width}}  {pct(report['accuracy'])}% of {report['samples']}")
+    lines.append(f"confusion matrix (rows: true, columns: predicted)")
+    lines.append(" " * width + "  " + " ".join(f"{n:>{width}}" for n in names))
+    for name, counts in zip(names, report["confusion_matrix"]):  # type: ignore[arg-type]
+        lines.append(f"{name:<{width}}  " + " ".join(f"{c:>{width}d}" for c in counts))
+    return "\n".join(lines)
+
+
+def plot_confusion(report: Dict[str, object], path: str) -> None:
+    """Save the confusion matrix as a PNG (matplotlib's Agg canvas: no display, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names: List[str] = report["classes"]  # type: ignore[assignment]
+    matrix = torch.tensor(report["confusion_matrix"])
+    size = 2.0 + 0.6 * len(names)
+    figure = Figure(figsize=(size, size))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.imshow(matrix.numpy(), cmap="Blues")
+    axes.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    axes.set_yticks(range(len(names)), names)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    accuracy = report["accuracy"]
+    axes.set_title(f"{report['split']}: accuracy {100 * accuracy:.1f}%" if accuracy is not None else report["split"])
+    threshold = matrix.max().item() / 2
+    for t in range(len(names)):
+        for p in range(len(names)):
+            axes.text(p, t, str(int(matrix[t, p])), ha="center", va="center",
+                      color="white" if matrix[t, p] > threshold else "black")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def save_report(report: Dict[str, object], output_dir: str) -> List[str]:
+    """Write ``report_<split>.json`` and ``confusion_<split>.png``; returns both paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    json_path = os.path.join(output_dir, f"report_{report['split']}.json")
+    png_path = os.path.join(output_dir, f"confusion_{report['split']}.png")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    plot_confusion(report, png_path)
+    return [json_path, png_path]
+
+
+def report_model(model: torch.nn.Module, task: Task, backend: Backend, batch_size: int, output_dir: str,
+                 epoch: Optional[int]) -> Dict[str, Dict[str, object]]:
+    """Score every evaluation split the task has; the main rank prints and saves each report.
+
+    Collective: every rank must call it.
+    """
+    reports = {}
+    for split in EVAL_SPLITS:
+        if task.eval_size(split) == 0:
+            continue
+        report = {**classification_report(model, task, split, backend, batch_size), "epoch": epoch}
+        if backend.is_main:
+            paths = save_report(report, output_dir)
+            backend.print(f"[trainbridge] {split} report of the best model (epoch {epoch}):\n"
+                          f"{format_report(report)}\n[trainbridge] wrote {' and '.join(paths)}")
+        reports[split] = report
+    return reports

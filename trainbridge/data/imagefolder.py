@@ -1,0 +1,161 @@
+"""Image-folder data: layout checks, transforms and per-rank DataLoaders.
+
+Layout (any class names; the folder names are fixed)::
+
+    ROOT/Train/<class>/*.jpg|png|...
+    ROOT/Validation/<class>/*
+    ROOT/Test/<class>/*          (optional)
+
+:func:`check_layout` rejects every input that would otherwise fail late or
+silently (a missing split, classes that differ between splits, an empty class,
+a file that is not a readable image) with one :class:`UserError` line naming
+the problem and the fix. Sharding is not decided here: training follows the
+backend's sampler, evaluation reads exactly the indices the backend gives.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from ..errors import UserError
+
+SPLIT_FOLDERS = {"train": "Train", "val": "Validation", "test": "Test"}  # split name -> folder under ROOT
+REQUIRED_SPLITS = ("train", "val")
+# The extensions torchvision's ImageFolder loads; other files (README, .DS_Store) are ignored.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MIN_IMAGE_SIZE = 32  # ResNet downsamples 32x: smaller inputs leave no spatial extent at the last stage
+LAYOUT_HINT = "expected ROOT/Train/<class>/*, ROOT/Validation/<class>/* and optionally ROOT/Test/<class>/*"
+
+
+def image_files(folder: str) -> List[str]:
+    """Image files directly in ``folder`` (by extension, as ImageFolder loads them), sorted."""
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder)
+                  if name.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, name)))
+
+
+def class_folders(split_dir: str) -> List[str]:
+    return sorted(name for name in os.listdir(split_dir)
+                  if os.path.isdir(os.path.join(split_dir, name)) and not name.startswith("."))
+
+
+def check_image(path: str) -> None:
+    """Decode ``path`` (JPEGs at reduced scale, which is fast) or raise UserError naming it."""
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (64, 64))  # JPEG only: decode at 1/8 scale; still reads the whole stream
+            image.load()
+    except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, ...
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"unreadable image file {path} ({reason}); replace or delete it") from None
+
+
+def check_layout(root: str, decode_images: bool = True) -> Dict[str, List[str]]:
+    """Check the ImageFolder layout under ``root``; returns {split: folder} for the splits present.
+
+    Every image is decoded once (``decode_images``) so that a corrupt file is
+    named before training starts rather than crashing a DataLoader worker mid-epoch.
+    """
+    if not os.path.isdir(root):
+        raise UserError(f"--data-root {root} does not exist; {LAYOUT_HINT}")
+    present = {split: os.path.join(root, folder) for split, folder in SPLIT_FOLDERS.items()
+               if os.path.isdir(os.path.join(root, folder))}
+    for split in REQUIRED_SPLITS:
+        if split not in present:
+            found = ", ".join(sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))) or "nothing"
+            raise UserError(f"--data-root {root} has no {SPLIT_FOLDERS[split]}/ folder (found: {found}); {LAYOUT_HINT}")
+    classes = class_folders(present["train"])
+    if not classes:
+        raise UserError(f"{present['train']} has no class folders; {LAYOUT_HINT}")
+    for split, split_dir in present.items():
+        theirs = class_folders(split_dir)
+        if theirs != classes:
+            only_train = sorted(set(classes) - set(theirs))
+            only_here = sorted(set(theirs) - set(classes))
+            raise UserError(f"class folders differ between {SPLIT_FOLDERS['train']}/ and {SPLIT_FOLDERS[split]}/ "
+                            f"in {root}: only in Train: {only_train or 'none'}, only in {SPLIT_FOLDERS[split]}: "
+                            f"{only_here or 'none'}; every split needs the same class folders")
+        for name in classes:
+            files = image_files(os.path.join(split_dir, name))
+            if not files:
+                raise UserError(f"class folder {os.path.join(split_dir, name)} has no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                                f"add images or remove the class from every split")
+            if decode_images:
+                for path in files:
+                    check_image(path)
+    return present
+
+
+def build_transforms(image_size: int, train: bool, imagenet_normalise: bool):
+    """Training: AutoAugment -> Resize -> ToTensor (-> ImageNet normalisation); evaluation: without AutoAugment.
+
+    Resize to a square (size, size), so that photos of any aspect ratio batch together.
+    ImageNet normalisation only matters with ImageNet weights (pretrained or from a file).
+    """
+    from torchvision import transforms as T
+
+    steps = [T.AutoAugment(T.AutoAugmentPolicy.IMAGENET)] if train else []
+    steps += [T.Resize((image_size, image_size)), T.ToTensor()]
+    if imagenet_normalise:
+        steps.append(T.Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    return T.Compose(steps)
+
+
+def load_split(folder: str, transform) -> Dataset:
+    """torchvision's ImageFolder (labels = sorted class folder names, images converted to RGB)."""
+    from torchvision.datasets import ImageFolder
+
+    return ImageFolder(folder, transform=transform)
+
+
+def auto_workers(local_size: int) -> int:
+    """DataLoader workers per rank: the available cores shared among this node's processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, cores // max(1, local_size))
+
+
+class DeviceBatches:
+    """Re-iterable DataLoader view that moves each batch to ``device``."""
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+        self.non_blocking = device.type == "cuda"  # pinned host memory copies asynchronously
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels in self.loader:
+            yield images.to(self.device, non_blocking=self.non_blocking), labels.to(self.device, non_blocking=self.non_blocking)
+
+
+def _loader(dataset: Dataset, batch_size: int, device: torch.device, workers: int,
+            sampler: Optional[Sampler] = None, drop_last: bool = False) -> DeviceBatches:
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=drop_last,
+                        num_workers=workers, pin_memory=device.type == "cuda",
+                        # Workers start once and survive across epochs: no re-fork per epoch.
+                        persistent_workers=workers > 0)
+    return DeviceBatches(loader, device)
+
+
+def train_batches(dataset: Dataset, sampler: Sampler, batch_size: int, device: torch.device,
+                  workers: int) -> DeviceBatches:
+    """Batches in ``sampler``'s order, re-read on every pass.
+
+    The DataLoader is built once with ``sampler=`` the backend's DistributedSampler:
+    each ``iter()`` asks the sampler again, so the loop's ``sampler.set_epoch(e)``
+    reshuffles (identically on every rank) while the persistent workers stay up.
+    A last batch of one sample is dropped: BatchNorm cannot train on it.
+    """
+    return _loader(dataset, batch_size, device, workers, sampler=sampler,
+                   drop_last=len(sampler) > batch_size and len(sampler) % batch_size == 1)  # type: ignore[arg-type]
+
+
+def eval_batches(dataset: Dataset, indices: Sequence[int], batch_size: int, device: torch.device,
+                 workers: int) -> DeviceBatches:
+    """Batches of exactly ``indices`` (this rank's unpadded shard), in order."""
+    return _loader(Subset(dataset, list(indices)), batch_size, device, workers)

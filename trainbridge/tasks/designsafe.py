@@ -1,0 +1,112 @@
+"""DesignSafe hurricane damage: ResNet34 transfer learning on an image folder.
+
+Photos of homes after Hurricane Harvey, labelled by damage (C0 low, C2 medium,
+C4 high; any class names work), in the ImageFolder layout of
+:mod:`trainbridge.data.imagefolder`. ``--data-root`` is required;
+``trainbridge data make-sample designsafe --out DIR`` writes a synthetic one.
+
+Defaults (the tutorial's): resnet34 with a Linear(512, 512) -> ReLU ->
+Linear(512, classes) head, CrossEntropy with label smoothing 0.1, Adam at 1e-4,
+ReduceLROnPlateau on the (globally reduced) validation loss.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..data.designsafe_sample import is_synthetic_sample
+from ..data.imagefolder import (DeviceBatches, auto_workers, build_transforms, check_layout, eval_batches,
+                                load_split, train_batches)
+from ..errors import UserError
+from ..launch import detect_launch
+from ..models import CLASSIFIERS, build_classifier
+from ..models.resnet import ensure_imagenet_weights, freeze_backbone
+from .base import Batch, Task
+
+LABEL_SMOOTHING = 0.1
+
+
+class DesignSafeTask(Task):
+    name = "designsafe"
+    default_model = "resnet34"
+    default_optimizer = "adam"
+    default_lr = 1e-4
+    default_scheduler = "plateau"
+    accepts_transfer_options = True
+
+    def __init__(self) -> None:
+        self.datasets: Dict[str, torch.utils.data.Dataset] = {}
+        self.classes: List[str] = []
+        self.weights_path: Optional[str] = None
+        self.workers = 0
+        self._eval_loaders: Dict[Tuple, DeviceBatches] = {}
+
+    def validate_config(self, cfg) -> None:
+        """Options and data layout, checked on every rank before any process group starts."""
+        if cfg.data_root is None:
+            raise UserError("--task designsafe needs --data-root DIR, a folder with Train/<class>/ and "
+                            "Validation/<class>/ (and optionally Test/<class>/); for a synthetic one run "
+                            "`trainbridge data make-sample designsafe --out DIR`")
+        if cfg.dataset != "auto":
+            raise UserError(f"--dataset {cfg.dataset} is for --task mnist; --task designsafe reads the image "
+                            f"folder at --data-root (leave --dataset at auto)")
+        if cfg.model is not None and cfg.model not in CLASSIFIERS:
+            raise UserError(f"--task designsafe trains an image classifier ({', '.join(CLASSIFIERS)}), "
+                            f"not --model {cfg.model}")
+        check_layout(cfg.data_root)
+
+    def prepare(self, cfg, note) -> str:
+        splits = check_layout(cfg.data_root, decode_images=False)  # images were decoded in validate_config
+        pretrained = not cfg.no_pretrained
+        if cfg.pretrained_weights:
+            self.weights_path, weights = cfg.pretrained_weights, f"backbone from {cfg.pretrained_weights}"
+        elif pretrained:
+            self.weights_path = ensure_imagenet_weights()  # main rank first: one download per node
+            weights = f"ImageNet backbone from {self.weights_path}"
+        else:
+            weights = "random initialisation (--no-pretrained)"
+        self.datasets = {split: load_split(folder, build_transforms(cfg.image_size, train=split == "train",
+                                                                    imagenet_normalise=pretrained))
+                         for split, folder in splits.items()}
+        self.classes = list(self.datasets["train"].classes)
+        # Cores per rank, as for the intra-op threads: this node's processes share them.
+        self.workers = cfg.workers if cfg.workers is not None else auto_workers(detect_launch().local_size)
+        sizes = " / ".join(f"{len(d)} {split}" for split, d in self.datasets.items())
+        synthetic = is_synthetic_sample(cfg.data_root)
+        if synthetic:
+            note(f"[trainbridge] {cfg.data_root} is a SYNTHETIC sample (drawn pictures, not DesignSafe photos): "
+                 f"its accuracy says nothing about real data")
+        return (f"{'SYNTHETIC ' if synthetic else ''}image folder {cfg.data_root}: {sizes} images, classes "
+                f"{', '.join(self.classes)}; {cfg.model} at {cfg.image_size}px, {weights}"
+                f"{', backbone frozen' if cfg.freeze_backbone else ''}; {self.workers} loader workers per rank")
+
+    @property
+    def class_names(self) -> List[str]:
+        return self.classes
+
+    @property
+    def train_size(self) -> int:
+        return len(self.datasets["train"])
+
+    def eval_size(self, split: str) -> int:
+        return len(self.datasets[split]) if split in self.datasets else 0
+
+    def train_loader(self, sampler: Iterable[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
+        return train_batches(self.datasets["train"], sampler, batch_size, device, self.workers)  # type: ignore[arg-type]
+
+    def eval_loader(self, split: str, indices: Sequence[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
+        # One loader per shard, kept: its persistent workers serve every epoch.
+        key = (split, tuple(indices), batch_size, str(device))
+        if key not in self._eval_loaders:
+            self._eval_loaders[key] = eval_batches(self.datasets[split], indices, batch_size, device, self.workers)
+        return self._eval_loaders[key]
+
+    def build_model(self, cfg) -> torch.nn.Module:
+        model = build_classifier(cfg.model or self.default_model, len(self.classes), self.weights_path)
+        return freeze_backbone(model) if cfg.freeze_backbone else model
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits, labels, reduction=reduction, label_smoothing=LABEL_SMOOTHING)
+
+    # trainable_parameters: the base class's (requires_grad only) is what --freeze-backbone needs.

@@ -67,7 +67,7 @@ def test_ranks_that_disagree_on_the_world_size(tmp_path):
         env = {"TRAINBRIDGE_SPAWNED": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         from conftest import launcher_env
-        procs.append(subprocess.Popen([PYTHON, *TRAIN, *QUICK, "--backend", "torch", "--timeout", "20",
+        procs.append(subprocess.Popen([PYTHON, *TRAIN, *QUICK, "--backend", "torch", "--timeout", "60",
                                        "--output-dir", str(tmp_path)], env=launcher_env(env),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []

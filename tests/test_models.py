@@ -34,3 +34,15 @@ def test_architectures():
 def test_unknown_model():
     with pytest.raises(UserError, match="unknown model"):
         build_model("vgg")
+
+
+def test_optimizers_and_scale_lr():
+    from trainbridge.config import TrainConfig
+    from trainbridge.loop import build_optimizer
+
+    params = list(build_model("mlp").parameters())
+    for name, cls in (("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adadelta", torch.optim.Adadelta)):
+        cfg = TrainConfig(optimizer=name, lr=0.1, scale_lr=True)
+        optimizer = build_optimizer(cfg, params, world_size=4)
+        assert isinstance(optimizer, cls) and optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
+    assert build_optimizer(TrainConfig(optimizer="sgd", lr=0.1), params, 4).param_groups[0]["lr"] == 0.1

@@ -17,10 +17,11 @@ RUNS = {
     "horovodrun-gloo": lambda a: horovodrun(2, "gloo", a + ["--batch-size", str(B)]),
     "horovodrun-mpi": lambda a: horovodrun(2, "mpi", a + ["--batch-size", str(B)]),
     "mpirun-torch": lambda a: mpirun(2, a + ["--batch-size", str(B), "--backend", "torch"]),
+    "horovodrun-torch": lambda a: horovodrun(2, "gloo", a + ["--batch-size", str(B), "--backend", "torch"]),
     "spawn": lambda a: plain(a + ["--batch-size", str(B), "--nproc", "2"]),
 }
 EXPECTED_BACKEND = {"torchrun": "torch", "horovodrun-gloo": "horovod", "horovodrun-mpi": "horovod",
-                    "mpirun-torch": "torch", "spawn": "torch"}
+                    "mpirun-torch": "torch", "horovodrun-torch": "torch", "spawn": "torch"}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from typing import List, Optional
 
 import torch
@@ -25,6 +26,9 @@ from .errors import UserError
 from .fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from .launch import detect_launch, report_error
 from .launch.spawn import spawn_workers
+
+
+QUIET_RANK_GRACE_SECONDS = 10.0
 
 
 def set_threads(requested: int, local_size: int) -> int:
@@ -55,8 +59,13 @@ def run_worker(cfg: TrainConfig) -> int:
         return 0
     except UserError as exc:
         # Input and launcher errors are the same on every rank: one line from rank 0
-        # is enough. Once the backend exists, an error may be one rank's: each reports.
-        if (env.rank == 0 or backend is not None) and not exc.quiet:
+        # is enough. The other ranks give rank 0 time to report first (a launcher
+        # kills the rest of the job on the first exit) and speak only if still
+        # alive, i.e. when the error was theirs alone. Once the backend exists, an
+        # error may be one rank's: each reports.
+        if backend is None and env.rank != 0:
+            time.sleep(QUIET_RANK_GRACE_SECONDS)
+        if not exc.quiet:
             report_error(str(exc))
         return 2
     except Preempted as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any, Callable, List, Tuple
 
 import torch
@@ -54,12 +55,18 @@ class TorchBackend(Backend):
         store.set(f"trainbridge/world_size/{self.rank}", str(self.world_size))
         ranks = range(1, self.world_size) if self.rank == 0 else [0]
         for other in ranks:
+            started = time.monotonic()
             try:
                 theirs = int(store.get(f"trainbridge/world_size/{other}"))
             except Exception:  # noqa: BLE001
+                if time.monotonic() - started < self.timeout:  # the store went away: rank 0 failed
+                    raise UserError(f"rank {self.rank} lost the rendezvous store on rank 0 before the job "
+                                    f"started; rank 0 failed: see its error") from None
                 raise UserError(f"rank {other} did not join within {self.timeout:.0f}s (rank {self.rank} waited, "
                                 f"expecting {self.world_size} processes); check that every rank was started")
             if theirs != self.world_size:
+                if self.rank == 0:
+                    time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
                 raise UserError(f"ranks disagree on the world size: rank {self.rank} was launched with "
                                 f"{self.world_size} processes, rank {other} with {theirs}; "
                                 f"launch every rank with the same WORLD_SIZE")

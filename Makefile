@@ -14,7 +14,7 @@ run: setup
 		--output-dir runs/mnist
 
 test: setup
-	$(VENV)/bin/python -m pytest -v tests
+	$(VENV)/bin/python -m pytest -v --durations=25 tests
 
 clean:
 	rm -rf runs .pytest_cache

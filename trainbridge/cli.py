@@ -1,4 +1,4 @@
-"""The ``trainbridge`` console script: ``trainbridge train ...`` and ``trainbridge doctor``."""
+"""The ``trainbridge`` console script: ``trainbridge train ...``, ``trainbridge doctor`` and ``trainbridge bench``."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,7 @@ USAGE = """usage: trainbridge <command> [options]
 commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
   doctor   print versions, available collective libraries and the detected launcher
+  bench    trainbridge under every launcher against hand-written baselines (--quick: smoke test)
 """
 
 
@@ -24,7 +25,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "doctor":
         from .doctor import main as doctor_main
         return doctor_main()
-    print(f"trainbridge: error: unknown command {command!r}; use train or doctor", file=sys.stderr)
+    if command == "bench":
+        from .bench.cli import main as bench_main
+        return bench_main(rest)
+    print(f"trainbridge: error: unknown command {command!r}; use train, doctor or bench", file=sys.stderr)
     return 2
 
 

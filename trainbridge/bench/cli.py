@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=None,
                    help="before each run, wait up to this many seconds for the machine to be under 25%% busy "
                         "(default: 0 quick, 60 full)")
+    p.add_argument("--noise-limit", type=float, default=None,
+                   help="repeat a run (up to --noisy-retries times, keeping the quietest) when other processes used "
+                        "more than this share of all cores during it (default: off quick, 0.15 full)")
+    p.add_argument("--noisy-retries", type=int, default=3, help="at most this many extra tries per run (default 3)")
     return p
 
 
@@ -56,6 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     repeats = args.repeats or (1 if args.quick else 5)
     timeout = args.timeout or (120.0 if args.quick else 300.0)
     settle = args.settle if args.settle is not None else (0.0 if args.quick else 60.0)
+    noise_limit = args.noise_limit if args.noise_limit is not None else (None if args.quick else 0.15)
     out = Path(args.out)
     try:
         if args.nproc < 1 or repeats < 1:
@@ -67,7 +72,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "machine": {"cores": cores, "platform": platform.platform(terse=True), "python": platform.python_version(),
                         "torch": version("torch"), "horovod": version("horovod")},
             "settings": {"mode": "quick" if args.quick else "full", "repeats": repeats, "nproc": args.nproc,
-                         "timeout_seconds": timeout, "settle_seconds": settle,
+                         "timeout_seconds": timeout, "settle_seconds": settle, "noise_limit": noise_limit,
+                         "noisy_retries": args.noisy_retries,
                          "threads_policy": f"cores // processes, at least 1 ({cores} cores: 1 process -> "
                                            f"{cores} threads, {args.nproc} processes -> {max(1, cores // args.nproc)}; "
                                            f"the unit row uses 1)"},
@@ -82,8 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             steps, warmup = workload.steps(args.quick)
             print(f"[bench] {name}: {len(configs)} configurations x {repeats} repeats, {steps} steps "
                   f"({warmup} warm-up), output in {out}", flush=True)
-            runs = run_matrix(configs, repeats, out / "runs" / name, timeout, settle,
-                              report=lambda line: print(line, flush=True))
+            runs = run_matrix(configs, repeats, out / "runs" / name, timeout, settle, noise_limit,
+                              args.noisy_retries, report=lambda line: print(line, flush=True))
             summaries = {c.key: aggregate(c, [r for r in runs if r.key == c.key]) for c in configs}
             unit = summaries.get(UNIT, {}).get("samples_per_second")
             for summary in summaries.values():

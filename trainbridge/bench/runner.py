@@ -77,18 +77,33 @@ def children_cpu_seconds() -> float:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the run's process group and every descendant (mpirun may start its ranks in other groups)."""
+    """SIGKILL the run's whole process tree (mpirun may start its ranks in other process groups).
+
+    The tree is frozen with SIGSTOP until a listing finds no new process, so that
+    nothing forks between the listing and the kill.
+    """
+    frozen: Dict[int, psutil.Process] = {}
     try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
+        root = psutil.Process(proc.pid)
+        for _ in range(10):
+            found = {p.pid: p for p in [root, *root.children(recursive=True)] if p.pid not in frozen}
+            if not found:
+                break
+            for p in found.values():
+                try:
+                    p.suspend()
+                except psutil.NoSuchProcess:
+                    pass
+            frozen.update(found)
     except psutil.NoSuchProcess:
-        descendants = []
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for child in descendants:
+    for p in frozen.values():
         try:
-            child.kill()
+            p.kill()
         except psutil.NoSuchProcess:
             pass
     proc.wait()

@@ -6,7 +6,9 @@ figure is the median over repeats. Each run records how busy the machine was
 with work that was not its own (``foreign_cpu``: the share of all cores used by
 other processes during the run). With a noise limit, a run that other work
 disturbed more than that is run again (a few times at most) and the quietest
-attempt is kept.
+attempt is kept. A run killed by SIGKILL or SIGTERM that the bench did not send
+(another user cleaning up on a shared machine) is run again the same way; a
+crash or a non-zero exit is not.
 
 A run that exits non-zero, writes no ``final`` line, or outlives its timeout
 (its whole process tree is then killed) is a failed run; a configuration with a
@@ -61,7 +63,8 @@ class RunResult:
     peak_rss_mb_per_rank: Optional[List[float]] = None
     error: str = ""
     log_dir: str = ""
-    attempts: int = 1  # more than 1 when noisy runs were repeated
+    attempts: int = 1  # more than 1 when noisy or externally killed runs were repeated
+    exit_code: Optional[int] = None  # negative: killed by that signal
 
 
 def busy_cpu_seconds() -> float:
@@ -134,7 +137,7 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     foreign = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - ours0)
     foreign_share = max(0.0, foreign / (wall * (psutil.cpu_count() or 1))) if wall > 0 else None
     result = RunResult(config.key, repeat, "ok", round(wall, 2), foreign_share and round(foreign_share, 3),
-                       log_dir=str(run_dir))
+                       log_dir=str(run_dir), exit_code=code)
     (run_dir / "final.pt").unlink(missing_ok=True)  # the bench keeps logs and metrics, not weights
     if code is None:
         result.status, result.error = "timeout", f"killed after {timeout:.0f}s; stderr tail:\n{tail(stderr)}"
@@ -160,17 +163,24 @@ def wait_until_quiet(limit_seconds: float, busy_share: float = 0.25, sample_seco
 
 def run_quietly(config: BenchConfig, repeat: int, run_dir: Path, timeout: float, settle_seconds: float,
                 noise_limit: Optional[float], noisy_retries: int) -> RunResult:
-    """``run_once``, repeated while other processes used more than ``noise_limit`` of the cores; the quietest run."""
+    """``run_once``, repeated while other processes used more than ``noise_limit`` of the cores or killed it.
+
+    Returns the quietest successful attempt (else the last one), with ``attempts`` set.
+    """
     attempts: List[RunResult] = []
     for attempt in range(1 + noisy_retries):
         if settle_seconds > 0:
             wait_until_quiet(settle_seconds)
-        result = run_once(config, repeat, run_dir, timeout)
+        result = run_once(config, repeat, run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-try{attempt + 1}"),
+                          timeout)
         attempts.append(result)
-        if result.status != "ok" or noise_limit is None or result.foreign_cpu is None \
-                or result.foreign_cpu <= noise_limit:
+        killed_from_outside = result.status == "failed" and result.exit_code in (-signal.SIGKILL, -signal.SIGTERM)
+        noisy = (result.status == "ok" and noise_limit is not None and result.foreign_cpu is not None
+                 and result.foreign_cpu > noise_limit)
+        if not (killed_from_outside or noisy):
             break
-    best = result if result.status != "ok" else min(attempts, key=lambda r: r.foreign_cpu or 0.0)
+    ok = [r for r in attempts if r.status == "ok"]
+    best = min(ok, key=lambda r: r.foreign_cpu or 0.0) if ok else result
     best.attempts = len(attempts)
     return best
 

@@ -110,6 +110,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
+    psutil.wait_procs(list(frozen.values()), timeout=10)  # the next run starts on a machine without them
 
 
 def tail(path: Path, chars: int = 1500) -> str:

@@ -1,4 +1,4 @@
-"""The ``trainbridge`` console script: ``trainbridge train ...``, ``trainbridge data ...`` and ``trainbridge doctor``."""
+"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data`` and ``bench``."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +10,7 @@ commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
   doctor   print versions, available collective libraries and the detected launcher
   data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
+  bench    trainbridge under every launcher against hand-written baselines (--quick: smoke test)
 """
 
 
@@ -28,7 +29,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "data":
         from .data.designsafe_sample import main as data_main
         return data_main(rest)
-    print(f"trainbridge: error: unknown command {command!r}; use train, data or doctor", file=sys.stderr)
+    if command == "bench":
+        from .bench.cli import main as bench_main
+        return bench_main(rest)
+    print(f"trainbridge: error: unknown command {command!r}; use train, doctor, data or bench", file=sys.stderr)
     return 2
 
 

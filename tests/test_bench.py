@@ -1,0 +1,77 @@
+"""``trainbridge bench``: the quick smoke run produces every number, and failures are reported, not hung.
+
+Speed is never asserted here: the ratios live in benchmarks/RESULTS.md.
+"""
+import json
+import sys
+from pathlib import Path
+
+from conftest import PYTHON, check, run
+
+from trainbridge.bench.configs import BenchConfig
+from trainbridge.bench.runner import run_once
+from trainbridge.bench.targets import TARGETS, evaluate
+
+CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "horovod_gloo",
+           "horovod_tutorial_gloo", "horovod_mpi", "horovod_tutorial_mpi"]
+
+
+def test_quick_bench_reports_every_configuration(tmp_path):
+    out = tmp_path / "bench"
+    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--out", str(out)], timeout=170))
+    assert "T1 torch backend vs hand-written DDP" in result.stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert report["ok"] is True and report["settings"]["mode"] == "quick"
+    workload = report["workloads"]["mnist-convnet"]
+    assert list(workload["configs"]) == CONFIGS
+    for key, config in workload["configs"].items():
+        assert config["status"] == "ok", (key, config["errors"])
+        assert config["samples_per_second"] > 0, key
+        assert 0 < config["step_time_median"] <= config["step_time_p90"], key
+        assert config["scaling_efficiency"] > 0, key
+        assert len(config["peak_rss_mb_per_rank"]) == config["nproc"], key
+        assert all(mb > 0 for mb in config["peak_rss_mb_per_rank"]), key
+    assert [t["id"] for t in workload["targets"]] == [t.id for t in TARGETS]
+    assert all(t["ratio"] > 0 and t["met"] in (True, False) for t in workload["targets"])
+    assert "| T4 trainbridge, 1 process vs bare loop |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def python_config(key: str, code: str) -> BenchConfig:
+    return BenchConfig(key, key, "baseline", key, 1, 1, (sys.executable, "-c", code, "--"))
+
+
+def test_a_failing_run_is_reported_with_its_error(tmp_path):
+    config = python_config("fails", "import sys; print('boom', file=sys.stderr); sys.exit(3)")
+    result = run_once(config, 0, tmp_path / "fails", timeout=60)
+    assert result.status == "failed" and "exit 3" in result.error and "boom" in result.error
+
+
+def test_a_run_without_metrics_is_failed(tmp_path):
+    result = run_once(python_config("silent", "pass"), 0, tmp_path / "silent", timeout=60)
+    assert result.status == "failed" and "no final metrics" in result.error
+
+
+def test_a_hanging_run_is_killed_with_its_children(tmp_path):
+    # The child starts a grandchild in its own session (as mpirun may), then both sleep.
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+            "open(sys.argv[-1] + '/grandchild.pid', 'w').write(str(p.pid)); time.sleep(600)")
+    config = BenchConfig("hangs", "hangs", "baseline", "hangs", 1, 1, (sys.executable, "-c", code))
+    result = run_once(config, 0, tmp_path / "hangs", timeout=15)
+    assert result.status == "timeout" and result.wall_seconds < 40
+    grandchild = int((tmp_path / "hangs" / "grandchild.pid").read_text())
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+
+
+def summary(nproc, rates):
+    return {"nproc": nproc, "samples_per_second": sorted(rates)[len(rates) // 2],
+            "runs": [{"repeat": i, "status": "ok", "samples_per_second": r} for i, r in enumerate(rates)]}
+
+
+def test_target_ratios_pair_runs_of_the_same_repeat():
+    scaling = next(t for t in TARGETS if t.id == "T3a")
+    row = evaluate(scaling, {"torch_gloo": summary(2, [3600, 4000, 3800]), "local_1_thread": summary(1, [2000, 2000, 2000])})
+    assert row["ratio"] == 3800 / 4000 and row["met"] is True
+    assert row["ratio_per_repeat"] == [0.9, 1.0, 0.95]
+    assert evaluate(scaling, {"torch_gloo": summary(2, [3000])})["met"] is None

@@ -1,0 +1,19 @@
+"""``trainbridge bench``: trainbridge against hand-written baselines, in one invocation.
+
+Where each concern lives:
+
+* :mod:`.workloads` -- what is trained (model, data, optimizer, batch, steps).
+  A new workload is one entry in ``WORKLOADS``.
+* :mod:`.configs`   -- the configuration matrix: which launcher starts which
+  script with how many processes and threads.
+* :mod:`.measure`   -- the instrument shared by trainbridge and the baselines
+  (step timer, peak RSS, the ``final`` line of ``metrics.jsonl``).
+* :mod:`.runner`    -- starts each configuration under its real launcher, with a
+  timeout, repeats interleaved; aggregates medians.
+* :mod:`.targets`   -- the speed targets of issue 6, as ratios inside one run.
+* :mod:`.report`    -- ``bench.json``, ``bench.md`` and ``bench.png``.
+* :mod:`.cli`       -- the ``trainbridge bench`` command.
+
+The baselines themselves are plain scripts in ``benchmarks/baselines/`` of the
+source tree; the bench needs a checkout, not just an installed package.
+"""

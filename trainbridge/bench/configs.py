@@ -1,0 +1,122 @@
+"""The configuration matrix: which launcher starts what, with how many processes and threads.
+
+Threads per rank follow one policy for every row, trainbridge and baselines
+alike, and are passed explicitly (``--threads`` and ``OMP_NUM_THREADS``): the
+available cores shared evenly among the processes, at least one. The
+one-thread row is the per-core unit that scaling efficiency is measured against.
+
+The baselines are scripts in ``benchmarks/baselines/``; :func:`baseline_parser`
+is the command line they all accept, built here next to the code that builds
+their commands.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+from ..errors import UserError
+from .workloads import WORKLOADS, Workload
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASELINES_DIR = REPO_ROOT / "benchmarks" / "baselines"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    key: str  # stable JSON key, e.g. "torch_gloo"
+    label: str  # for tables and the chart
+    kind: str  # "trainbridge" or "baseline"
+    group: str  # the chart puts a group's bars side by side: trainbridge beside its baseline
+    nproc: int
+    threads: int  # per rank
+    argv: Tuple[str, ...]  # the command, less --output-dir
+
+    def command(self, output_dir: str) -> List[str]:
+        return [*self.argv, "--output-dir", output_dir]
+
+    @property
+    def cores_used(self) -> int:
+        return self.nproc * self.threads
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_rank(nproc: int, cores: int) -> int:
+    """The policy for every row: cores shared evenly among the local processes, at least one each."""
+    return max(1, cores // nproc)
+
+
+def launcher_path(name: str) -> str:
+    """A launcher installed beside this Python (the virtual environment), else on the PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH; "
+                        f"trainbridge bench starts the real launchers")
+    return found
+
+
+def baseline_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of every script in ``benchmarks/baselines/``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workload", default="mnist-convnet", choices=list(WORKLOADS))
+    p.add_argument("--threads", type=int, required=True, help="intra-op threads per process")
+    p.add_argument("--steps", type=int, default=160, help="optimizer steps per process, warm-up included")
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the timing")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--log-interval", type=int, default=10, help="print the loss every N batches (rank 0)")
+    p.add_argument("--output-dir", required=True, help="where metrics.jsonl is written")
+    return p
+
+
+def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) -> List[BenchConfig]:
+    """Every configuration and baseline of issue 6 for ``workload``, with ``nproc`` processes where distributed."""
+    cores = cores or available_cores()
+    steps, warmup = workload.steps(quick)
+    python = sys.executable
+    torchrun = [launcher_path("torchrun"), "--standalone", f"--nproc-per-node={nproc}"]
+    horovodrun = [launcher_path("horovodrun"), "-np", str(nproc)]
+    # Open MPI refuses more ranks than cores unless told; the other launchers do not care.
+    hvd_gloo, hvd_mpi = [*horovodrun, "--gloo", python], [*horovodrun, "--mpi", "--mpi-args=--oversubscribe", python]
+    for name in ("ddp_tutorial.py", "horovod_tutorial.py", "bare_loop.py"):
+        if not (BASELINES_DIR / name).exists():
+            raise UserError(f"{BASELINES_DIR / name} is missing; trainbridge bench runs from a source checkout")
+
+    def trainbridge(backend: str, threads: int) -> Tuple[str, ...]:
+        return ("-m", "trainbridge.train", *workload.train_args, "--backend", backend,
+                "--batch-size", str(workload.batch_size), "--threads", str(threads), "--max-steps", str(steps),
+                "--epochs", "100000", "--warmup-steps", str(warmup), "--no-progress")
+
+    def baseline(script: str, threads: int) -> Tuple[str, ...]:
+        return (str(BASELINES_DIR / script), "--workload", workload.name, "--threads", str(threads),
+                "--steps", str(steps), "--warmup-steps", str(warmup))
+
+    all_cores, one, per_rank = threads_per_rank(1, cores), 1, threads_per_rank(nproc, cores)
+    n = f"×{nproc}"
+    return [
+        BenchConfig("local_all_cores", "trainbridge local, 1 process", "trainbridge", "1 process, all cores",
+                    1, all_cores, (python, *trainbridge("local", all_cores))),
+        BenchConfig("bare_loop", "bare loop (no distribution)", "baseline", "1 process, all cores",
+                    1, all_cores, (python, *baseline("bare_loop.py", all_cores))),
+        BenchConfig("local_1_thread", "trainbridge local, 1 thread (unit)", "trainbridge", "1 process, 1 thread",
+                    1, one, (python, *trainbridge("local", one))),
+        BenchConfig("torch_gloo", f"trainbridge torch/gloo {n}", "trainbridge", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
+        BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
+        BenchConfig("horovod_gloo", f"trainbridge horovod/gloo {n}", "trainbridge", f"horovodrun --gloo {n}",
+                    nproc, per_rank, (*hvd_gloo, *trainbridge("horovod", per_rank))),
+        BenchConfig("horovod_tutorial_gloo", f"Horovod tutorial gloo {n}", "baseline", f"horovodrun --gloo {n}",
+                    nproc, per_rank, (*hvd_gloo, *baseline("horovod_tutorial.py", per_rank))),
+        BenchConfig("horovod_mpi", f"trainbridge horovod/mpi {n}", "trainbridge", f"horovodrun --mpi {n}",
+                    nproc, per_rank, (*hvd_mpi, *trainbridge("horovod", per_rank))),
+        BenchConfig("horovod_tutorial_mpi", f"Horovod tutorial mpi {n}", "baseline", f"horovodrun --mpi {n}",
+                    nproc, per_rank, (*hvd_mpi, *baseline("horovod_tutorial.py", per_rank))),
+    ]

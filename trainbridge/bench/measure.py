@@ -1,0 +1,47 @@
+"""The instrument shared by trainbridge runs and the baselines, so both are timed the same way.
+
+A run's result is the ``"event": "final"`` line of ``DIR/metrics.jsonl``, with
+the keys trainbridge's loop writes: ``samples_per_second`` (summed over ranks,
+after warm-up), ``step_time_median`` and ``step_time_p90`` (seconds, rank 0) and
+``peak_rss_mb_per_rank``. Steps are timed by :class:`trainbridge.reporting.StepTimer`:
+the gap between consecutive optimizer steps, warm-up and each epoch's first step
+left out.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+from ..reporting import MetricsLog, StepTimer, peak_rss_mb
+
+__all__ = ["StepTimer", "rank_performance", "write_final", "read_final"]
+
+
+def rank_performance(timer: StepTimer) -> Dict[str, Any]:
+    """This rank's throughput, step times and peak RSS; gather these from every rank."""
+    timing = timer.summary()
+    return {"sps": timing["local_samples_per_second"], "step_time_median": timing["step_time_median"],
+            "step_time_p90": timing["step_time_p90"], "rss": peak_rss_mb()}
+
+
+def write_final(output_dir: str, per_rank: List[Dict[str, Any]], **extra: Any) -> None:
+    """Write the ``final`` line from every rank's :func:`rank_performance`, in rank order (main rank only)."""
+    rates = [r["sps"] for r in per_rank]
+    MetricsLog(output_dir, enabled=True).write({
+        "event": "final", **extra,
+        "samples_per_second": sum(rates) if None not in rates else None,
+        "step_time_median": per_rank[0]["step_time_median"], "step_time_p90": per_rank[0]["step_time_p90"],
+        "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank],
+    })
+
+
+def read_final(output_dir: str) -> Dict[str, Any]:
+    """The last ``final`` line of ``DIR/metrics.jsonl``; empty when there is none."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    finals = [r for r in rows if r.get("event") == "final"]
+    return finals[-1] if finals else {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -122,9 +123,9 @@ def tail(path: Path, chars: int = 1500) -> str:
 
 def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) -> RunResult:
     """One run of ``config`` writing into ``run_dir``; never takes longer than ``timeout`` seconds."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh folder: nothing to resume from, no stale metrics
+    run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,

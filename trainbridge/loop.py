@@ -22,7 +22,7 @@ from typing import Dict, Optional
 import torch
 
 from .backends import Backend
-from .checkpoint import BEST, LAST, PREVIOUS, atomic_save, choose_resume, load_model_state, read_checkpoint
+from .checkpoint import BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint
 from .classification_report import report_model
 from .config import TrainConfig
 from .errors import UserError
@@ -110,13 +110,12 @@ def find_checkpoint(cfg: TrainConfig, backend: Backend) -> Optional[dict]:
 def save_checkpoint(cfg: TrainConfig, backend: Backend, state: TrainState, best: bool = False) -> None:
     """Write last.pt (and best.pt) on rank 0. Every rank must call it: RNG states are gathered."""
     rng_states = backend.allgather_object(rng_state())
-    if not backend.is_main:
-        return
     checkpoint = state.checkpoint(rng_states=rng_states, config=dataclasses.asdict(cfg), backend=backend.name,
                                   world_size=backend.world_size, batch_size=cfg.batch_size)
-    atomic_save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
+    backend.save_on_main(checkpoint, os.path.join(cfg.output_dir, LAST),
+                         keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
     if best:
-        atomic_save(checkpoint, os.path.join(cfg.output_dir, BEST))
+        backend.save_on_main(checkpoint, os.path.join(cfg.output_dir, BEST))
 
 
 def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
@@ -250,10 +249,9 @@ def finish(cfg, backend, task, model, state, metrics, row, started) -> Dict[str,
     p = state.progress
     final = {**row, "event": "final", "seconds": round(time.time() - started, 3)}
     metrics.write(final)
-    if backend.is_main:
-        atomic_save({"model": backend.unwrap(model).state_dict(), "step": p.step, "epoch": row["epoch"],
-                     "backend": backend.name, "world_size": backend.world_size,
-                     "config": dataclasses.asdict(cfg)}, os.path.join(cfg.output_dir, "final.pt"))
+    backend.save_on_main({"model": backend.unwrap(model).state_dict(), "step": p.step, "epoch": row["epoch"],
+                          "backend": backend.name, "world_size": backend.world_size,
+                          "config": dataclasses.asdict(cfg)}, os.path.join(cfg.output_dir, "final.pt"))
     backend.print(f"[trainbridge] done: val_accuracy {final['val_accuracy']:.4f} after {p.step} steps "
                   f"in {final['seconds']:.1f}s; wrote {cfg.output_dir}/final.pt")
 

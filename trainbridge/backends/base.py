@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
 from typing import Any, Callable, Iterator, List, Sequence, Tuple, TypeVar
 
 import torch
 
+from ..checkpoint import atomic_save
 from ..data.sampler import ResumableDistributedSampler
 from ..errors import UserError
 from ..launch import LaunchEnv
@@ -198,15 +198,13 @@ class Backend(abc.ABC):
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
-    def save_on_main(self, obj: Any, path: str) -> None:
-        """torch.save on the main rank only; other ranks return at once."""
-        if self.is_main:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            torch.save(obj, path)
+    def save_on_main(self, obj: Any, path: str, keep_previous: "str | None" = None) -> None:
+        """Atomic torch.save on the main rank only (see :func:`trainbridge.checkpoint.atomic_save`).
 
-    def load(self, path: str) -> Any:
-        """torch.load on every rank, onto this rank's device, without unpickling code."""
-        return torch.load(path, map_location=self.device, weights_only=True)
+        Loading is done on every rank with :func:`trainbridge.checkpoint.read_checkpoint`.
+        """
+        if self.is_main:
+            atomic_save(obj, path, keep_previous=keep_previous)
 
     def decide_on_main(self, decide: Callable[[], T]) -> T:
         """Run ``decide()`` on the main rank and give its result to every rank."""

@@ -122,7 +122,7 @@ def _name_table():
     import re
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text().split("## Migrating from Horovod")[1]
-    table = text.split("### Every `horovod.torch` name", 1)[1]
+    table = text.split("### Every `horovod.torch` name", 1)[1].split("\n## ", 1)[0]  # up to the next section
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
     return [(re.findall(r"`(\w[\w.]*)`", names), status.strip()) for names, status in rows]
 

@@ -10,6 +10,7 @@ import os
 from typing import List, Optional
 
 from .backends import BACKENDS
+from .backends.base import COMPRESSIONS
 from .errors import UserError
 from .models import CLASSIFIERS, MODELS
 from .tasks import TASKS, create_task
@@ -48,6 +49,12 @@ class TrainConfig:
     resume: str = "auto"
     fail_at_step: Optional[int] = None
     fail_rank: int = 1
+    # Speed (see README "Performance"):
+    amp: str = "off"
+    compression: str = "none"
+    accumulate: int = 1
+    compile: bool = False
+    channels_last: str = "auto"
     # Image-folder tasks (designsafe):
     image_size: int = 224
     no_pretrained: bool = False
@@ -85,6 +92,7 @@ class TrainConfig:
             (self.plateau_patience >= 0, f"--plateau-patience must be at least 0 (got {self.plateau_patience})"),
             (self.image_size >= 32, f"--image-size must be at least 32 (got {self.image_size}): "
                                     f"ResNet downsamples by 32, smaller images leave nothing to classify"),
+            (self.accumulate >= 1, f"--accumulate must be at least 1 (got {self.accumulate})"),
             (self.workers is None or self.workers >= 0, f"--workers must be at least 0 (got {self.workers})"),
             (not (self.no_pretrained and self.pretrained_weights),
              "--no-pretrained and --pretrained-weights contradict each other; give one"),
@@ -154,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="the rank --fail-at-step kills (default 1)")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="without a launcher: spawn N local worker processes (torch backend)")
+    speed = p.add_argument_group("speed")
+    speed.add_argument("--amp", default=d.amp, choices=["off", "bf16", "fp16"],
+                       help="mixed precision: bf16 autocast (CPU and GPU), or fp16 autocast with a GradScaler "
+                            "(meant for GPUs; runs on CPUs, slowly) (default: off)")
+    speed.add_argument("--compression", default=d.compression, choices=list(COMPRESSIONS),
+                       help="average gradients in fp16 or bf16: half the bytes per allreduce (default: none)")
+    speed.add_argument("--accumulate", type=int, default=d.accumulate, metavar="K",
+                       help="K micro-batches of --batch-size per optimizer step, one allreduce per step (default 1)")
+    speed.add_argument("--compile", action="store_true", help="torch.compile the model (compiled once per process)")
+    speed.add_argument("--channels-last", default=d.channels_last, choices=["auto", "on", "off"],
+                       help="channels_last memory format for conv models and their inputs "
+                            "(default auto: on with a GPU)")
     images = p.add_argument_group("image-folder tasks (designsafe)")
     images.add_argument("--image-size", type=int, default=d.image_size,
                         help="images are resized to SIZE x SIZE pixels (default: 224; at least 32)")

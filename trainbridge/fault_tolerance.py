@@ -28,7 +28,7 @@ class Preempted(Exception):
 
 
 class StopSignal:
-    def __init__(self, allreduce_async: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]) -> None:
+    def __init__(self, allreduce_async: Callable[[torch.Tensor, str, str], Callable[[], torch.Tensor]]) -> None:
         self.allreduce_async = allreduce_async
         self.received = False
         self.pending: Optional[Callable[[], torch.Tensor]] = None
@@ -41,7 +41,7 @@ class StopSignal:
     def agreed(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (read one step late)."""
         stop = self.drain()
-        self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max")
+        self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
         return stop
 
     def drain(self) -> bool:

@@ -31,6 +31,7 @@ from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
 from .train_state import Progress, TrainState, rng_state, set_rng_state
+from .train_step import TrainStep, check_amp, make_scaler, memory_format
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
@@ -111,7 +112,7 @@ def save_checkpoint(cfg: TrainConfig, backend: Backend, state: TrainState, best:
     """Write last.pt (and best.pt) on rank 0. Every rank must call it: RNG states are gathered."""
     rng_states = backend.allgather_object(rng_state())
     checkpoint = state.checkpoint(rng_states=rng_states, config=dataclasses.asdict(cfg), backend=backend.name,
-                                  world_size=backend.world_size, batch_size=cfg.batch_size)
+                                  world_size=backend.world_size, batch_size=cfg.batch_size * cfg.accumulate)
     backend.save_on_main(checkpoint, os.path.join(cfg.output_dir, LAST),
                          keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
     if best:
@@ -128,17 +129,23 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     backend.print(f"[trainbridge] {source}; backend={backend.name} world_size={backend.world_size} "
                   f"launcher={backend.env.launcher} device={backend.device}")
 
+    check_amp(cfg.amp, backend.device)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = task.build_model(cfg).to(backend.device)
+    layout = memory_format(cfg.channels_last, backend.device)
+    model = task.build_model(cfg).to(backend.device, memory_format=layout)
     optimizer = build_optimizer(cfg, task.trainable_parameters(model), backend.world_size)
+    scaler = make_scaler(cfg.amp, backend.device)
     checkpoint = find_checkpoint(cfg, backend)
     progress_ = Progress()
     if checkpoint is not None:
         load_model_state(model, checkpoint["model"], checkpoint["path"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
-    model, optimizer = backend.wrap(model, optimizer)
+        if scaler is not None and checkpoint.get("scaler"):
+            scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached
+    model, optimizer = backend.wrap(model, optimizer, accumulate=cfg.accumulate, compression=cfg.compression)
     scheduler = build_scheduler(cfg, optimizer)  # after wrap: schedulers patch optimizer.step
+    train_step = TrainStep(task, model, optimizer, backend, cfg.batch_size, cfg.amp, scaler, layout, cfg.compile)
     if checkpoint is not None:
         scheduler.load_state_dict(checkpoint["scheduler"])
         rngs = checkpoint["rng"]["torch"]
@@ -151,16 +158,18 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                       f"sample {progress_.position} of the epoch, step {progress_.step}")
     else:
         torch.manual_seed(cfg.seed + backend.rank)  # independent dropout masks per rank
-    state = TrainState(backend.unwrap(model), optimizer, scheduler, progress_)
+    state = TrainState(backend.unwrap(model), optimizer, scheduler, progress_, scaler)
     metrics = MetricsLog(cfg.output_dir, enabled=backend.is_main, append=checkpoint is not None)
     timer = StepTimer(cfg.warmup_steps)
     watchdog = Watchdog(cfg.timeout, backend.rank)
+
+    step_batch = cfg.batch_size * cfg.accumulate  # samples per rank and optimizer step
 
     def run_epochs() -> Dict[str, float]:
         # Re-entered by Horovod elastic after a failure: the world may have changed,
         # so the sampler and the stop agreement are built here, from the live backend.
         sampler = backend.train_sampler(task.train_size, cfg.seed)
-        batches = task.train_loader(sampler, cfg.batch_size, backend.device)
+        batches = task.train_loader(sampler, step_batch, backend.device)
         stop = StopSignal(backend.allreduce_async)
         row: Dict[str, float] = {}
         p = state.progress
@@ -173,14 +182,12 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                            enabled=backend.is_main and not cfg.no_progress)
             for images, labels in bar:
                 maybe_fail(cfg.fail_at_step, cfg.fail_rank, backend.rank, p.step + 1, cfg.output_dir)
-                optimizer.zero_grad()  # set_to_none by default
-                loss = task.loss(model(images), labels)
-                loss.backward()  # DDP / Horovod hooks allreduce gradients during backward
-                optimizer.step()
-                loss_sum += loss.detach() * len(labels)
+                # DDP / Horovod hooks allreduce gradients during the (last) backward pass.
+                loss = train_step(images, labels)
+                loss_sum += loss * len(labels)
                 seen += len(labels)
                 p.step += 1
-                consumed = min(cfg.batch_size * backend.world_size, sampler.total_size - p.position)
+                consumed = min(step_batch * backend.world_size, sampler.total_size - p.position)
                 p.position += consumed
                 p.samples += consumed
                 timer.tick(len(labels))

@@ -34,19 +34,25 @@ class Progress:
 
 class TrainState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 progress: Progress) -> None:
+                 progress: Progress, scaler: Optional[torch.amp.GradScaler] = None) -> None:
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+        self.scaler = scaler  # --amp fp16: the loss scale is state too
 
     def snapshot(self) -> Dict[str, Any]:
         """A deep copy of the trainable state and counters (no RNG: that is per rank)."""
         return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scheduler": self.scheduler.state_dict(),
+                              "scheduler": self.scheduler.state_dict(), "scaler": self._scaler_state(),
                               "progress": dataclasses.asdict(self.progress)})
+
+    def _scaler_state(self) -> Optional[Dict[str, Any]]:
+        return self.scaler.state_dict() if self.scaler is not None else None
 
     def restore(self, snapshot: Dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["scheduler"])
+        if self.scaler is not None and snapshot.get("scaler"):
+            self.scaler.load_state_dict(snapshot["scaler"])
         self.progress = Progress(**snapshot["progress"])
 
     def checkpoint(self, *, rng_states: List[torch.Tensor], config: Dict[str, Any], backend: str,
@@ -57,6 +63,7 @@ class TrainState:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self._scaler_state(),
             "progress": dataclasses.asdict(p),
             # Readable summaries of the same counters (the contract of final.pt and the README).
             "epoch": p.epoch, "step": p.step, "step_in_epoch": p.position // (world_size * batch_size),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Iterator, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from ..errors import UserError
 from ..launch import LaunchEnv
 
 REDUCE_OPS = ("sum", "mean", "max")
+COMPRESSIONS = ("none", "fp16", "bf16")  # --compression: the dtype gradients travel in
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
@@ -107,11 +108,29 @@ class Backend(abc.ABC):
 
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
+             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``optimizer.step()`` apply gradients averaged over all ranks.
 
         Every rank leaves with identical parameters and optimizer state.
+        ``accumulate``: backward passes per step (the early ones inside :meth:`no_sync`).
+        ``compression``: one of COMPRESSIONS, the dtype gradients are averaged in.
         """
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
+        """A backward pass inside this block only accumulates gradients locally (no allreduce)."""
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None" = None) -> None:
+        """Apply the averaged gradients; with a GradScaler, unscale them first and skip steps with inf/NaN.
+
+        Every rank unscales the same averaged gradients, so all skip or step together.
+        """
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module, without any wrapper (state_dict keys without "module.")."""
@@ -122,8 +141,11 @@ class Backend(abc.ABC):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over ranks with ``op`` in ("sum", "mean", "max"); returns a new tensor."""
 
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
-        """Start an allreduce; the returned function waits for it and gives the result."""
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
+        """Start an allreduce; the returned function waits for it and gives the result.
+
+        ``name`` identifies the call site; at most one allreduce per name may be in flight.
+        """
         result = self.allreduce(tensor, op)
         return lambda: result
 

@@ -30,6 +30,21 @@ def import_horovod():
     return hvd
 
 
+class BF16Compressor:
+    """Horovod's Compressor interface for bfloat16 (Horovod ships none and fp16 only).
+
+    bf16 keeps fp32's exponent range, so large gradients do not overflow as in fp16.
+    """
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        return (tensor.to(torch.bfloat16), tensor.dtype) if tensor.dtype.is_floating_point else (tensor, None)
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx):
+        return tensor.to(ctx) if ctx is not None else tensor
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -49,6 +64,12 @@ class HorovodBackend(Backend):
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(self.timeout // 2))))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(self.timeout)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(self.timeout)))
+        if self.device.type == "cpu":
+            # On CPUs the compute threads own every core (threads per rank = cores /
+            # local ranks), and Open MPI busy-polls while a rank waits in the
+            # controller's negotiation, stealing the core that rank trains on.
+            # Yielding while idle gives it back (Open MPI reads this at MPI_Init).
+            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         self.hvd = import_horovod()
         self.hvd.init()
         # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change
@@ -70,10 +91,16 @@ class HorovodBackend(Backend):
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
+             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
         # Horovod: average gradients across ranks; hooks overlap with backward.
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+        # backward_passes_per_step: the hooks count K backward passes before the
+        # allreduce (--accumulate); step() reduces whatever a short last batch left.
+        # Compression casts each gradient to fp16/bf16 for the allreduce and back.
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
+                                             backward_passes_per_step=accumulate,
+                                             compression=self._compression(compression))
         if self.elastic:
             # No collectives outside hvd.elastic.run: a worker that joins later would
             # meet the others in the wrong operation. The elastic state sync sends
@@ -89,6 +116,24 @@ class HorovodBackend(Backend):
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         return model, optimizer
 
+    def _compression(self, name: str):
+        if name == "bf16":
+            return BF16Compressor
+        return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None" = None) -> None:
+        if scaler is None:
+            optimizer.step()
+            return
+        # Horovod's step() would wait for the allreduce only after the scaler had
+        # unscaled (and checked) the local, unreduced gradients: wait first, then
+        # unscale the averaged ones and step without synchronizing again.
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.hvd.allreduce(tensor.detach(), op=self._op(op))
 
@@ -96,9 +141,11 @@ class HorovodBackend(Backend):
         assert op in REDUCE_OPS, op
         return {"sum": self.hvd.Sum, "mean": self.hvd.Average, "max": self.hvd.Max}[op]
 
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
-        # Horovod fuses this with the gradient allreduces of the same cycle.
-        handle = self.hvd.allreduce_async(tensor.detach(), op=self._op(op))
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
+        # Horovod fuses this with the gradient allreduces of the same cycle. A fixed
+        # name per caller lets its response cache skip the negotiation after the
+        # first call (unnamed ops get a new name, and a full negotiation, each time).
+        handle = self.hvd.allreduce_async(tensor.detach(), op=self._op(op), name=f"trainbridge.async.{name}")
         return lambda: self.hvd.synchronize(handle)
 
     def run_resilient(self, train_fn: Callable[[], T], state: Any) -> T:

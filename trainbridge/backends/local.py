@@ -25,7 +25,9 @@ class LocalBackend(Backend):
     def shutdown(self, clean: bool = True) -> None:
         pass
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
+             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+        # One process: no gradients travel, so there is nothing to compress or defer.
         return model, optimizer
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -15,12 +15,14 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError
 from ..launch import rendezvous_address
 from .base import REDUCE_OPS, Backend, first_line
 
+_COMPRESS_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
 
@@ -88,13 +90,22 @@ class TorchBackend(Backend):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
+             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if compression != "none":
+            # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
+            # (half the bytes on the wire) and cast back into the fp32 gradients.
+            ddp.register_comm_hook(None, _COMPRESS_HOOKS[compression])
+        # --accumulate needs nothing here: the loop runs early micro-batches in no_sync().
         return ddp, optimizer
+
+    def no_sync(self, model: torch.nn.Module):
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -105,7 +116,7 @@ class TorchBackend(Backend):
         dist.all_reduce(out, op=_REDUCE[op])
         return out / self.world_size if op == "mean" else out
 
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
         assert op in REDUCE_OPS, op
         out = tensor.detach().to(self.device, copy=True)
         work = dist.all_reduce(out, op=_REDUCE[op], async_op=True)

@@ -85,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        if not args.only or c.key in args.only]
             if not configs:
                 raise UserError(f"--only {args.only} matches no configuration")
+            workload.prepare()
             steps, warmup = workload.steps(args.quick)
             print(f"[bench] {name}: {len(configs)} configurations x {repeats} repeats, {steps} steps "
                   f"({warmup} warm-up), output in {out}", flush=True)

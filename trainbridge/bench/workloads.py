@@ -2,17 +2,16 @@
 
 trainbridge selects the workload with ``train_args``; the baselines build the
 same model, dataset and optimizer from ``model``, ``dataset`` and ``optimizer``,
-so every ratio compares the same computation. Adding a workload (for example the
-DesignSafe ResNet34 at a small image size, once its task exists) is one entry in
-``WORKLOADS``::
-
-    Workload(name="designsafe-resnet34", description="ResNet34 on DesignSafe images, 64 px",
-             train_args=("--task", "designsafe", "--model", "resnet34", "--image-size", "64", ...),
-             batch_size=32, model=..., dataset=..., optimizer=..., quick_steps=4, full_steps=60)
+so every ratio compares the same computation. ``prepare`` runs once before the
+runs (e.g. writes a sample data folder). ``in_memory`` workloads are gathered by
+index by the bare loop; the others are read through a DataLoader, with as many
+workers as trainbridge uses, so that the bare loop does the same data work.
+Adding a workload is one entry in ``WORKLOADS``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Dict, Iterable, Tuple
 
 import torch
@@ -28,6 +27,8 @@ class Workload:
     model: Callable[[], torch.nn.Module]  # freshly initialised (callers seed first)
     dataset: Callable[[], Dataset]  # the training set, map-style: (input, label) per index
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    prepare: Callable[[], None] = lambda: None
+    in_memory: bool = True
     full_steps: int = 160  # optimizer steps per process, warm-up included
     quick_steps: int = 12
     warmup_steps: int = 10
@@ -65,6 +66,42 @@ def adadelta(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adadelta(params, lr=1.0)
 
 
+DESIGNSAFE_SIZE = 64  # pixels: ResNet34 at 224 px is minutes per step on 2 CPU cores
+
+
+def designsafe_root() -> str:
+    """The synthetic DesignSafe sample (120 training images), written once into the cache."""
+    from ..config import DEFAULT_DATA_ROOT
+
+    return os.path.join(os.path.dirname(DEFAULT_DATA_ROOT), "bench", "designsafe-sample")
+
+
+def write_designsafe_sample() -> None:
+    from ..data.designsafe_sample import make_sample
+
+    if not os.path.isdir(os.path.join(designsafe_root(), "Train")):
+        make_sample(designsafe_root())
+
+
+def designsafe_train() -> Dataset:
+    """The sample's Train/ folder with trainbridge's training transforms (AutoAugment, resize), no ImageNet norm."""
+    from ..data.imagefolder import build_transforms, load_split
+
+    write_designsafe_sample()
+    return load_split(os.path.join(designsafe_root(), "Train"),
+                      build_transforms(DESIGNSAFE_SIZE, train=True, imagenet_normalise=False))
+
+
+def resnet34_three_classes() -> torch.nn.Module:
+    from ..models import build_classifier
+
+    return build_classifier("resnet34", 3, None)  # random initialisation, as --no-pretrained
+
+
+def adam(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4)
+
+
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in [
     Workload(
         name="mnist-convnet",
@@ -72,5 +109,15 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in [
         train_args=("--task", "mnist", "--model", "convnet-dropout", "--dataset", "mnist-sample",
                     "--optimizer", "adadelta", "--lr", "1.0"),
         batch_size=128, model=convnet_dropout, dataset=mnist_sample_train, optimizer=adadelta,
+    ),
+    Workload(
+        name="designsafe-resnet34",
+        description=f"DesignSafe ResNet34 (synthetic 120-image sample, AutoAugment, {DESIGNSAFE_SIZE} px, "
+                    f"random init), Adam lr 1e-4, batch 16",
+        train_args=("--task", "designsafe", "--data-root", designsafe_root(), "--image-size", str(DESIGNSAFE_SIZE),
+                    "--no-pretrained", "--optimizer", "adam", "--lr", "1e-4", "--scheduler", "step", "--gamma", "1.0"),
+        batch_size=16, model=resnet34_three_classes, dataset=designsafe_train, optimizer=adam,
+        prepare=write_designsafe_sample, in_memory=False, full_steps=40, warmup_steps=5, quick_steps=4,
+        quick_warmup_steps=1,
     ),
 ]}

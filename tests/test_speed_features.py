@@ -1,0 +1,133 @@
+"""The speed features of issue 6 on both backends: --accumulate, --amp, --compression, --channels-last.
+
+Each test compares weights or numbers that would differ if the feature were
+ignored, so a silently dropped flag fails.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
+                      torchrun)
+
+SCRIPTS = Path(__file__).parent / "speed_scripts"
+COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "7",
+          "--no-progress"]
+LAUNCHERS = {
+    "torchrun": lambda args: torchrun(2, args),
+    "horovodrun-gloo": lambda args: horovodrun(2, "gloo", args),
+}
+EXPECTED_BACKEND = {"torchrun": "torch", "horovodrun-gloo": "horovod"}
+
+
+# ----- --accumulate ---------------------------------------------------------
+# One epoch of the 4,000-image sample with 128 samples per step: 31 full steps and a
+# last step of 32 samples, which on 2 ranks is a single micro-batch of 16 instead
+# of 4. That short step must work too (Horovod reduces what backward_passes_per_step
+# left pending; DDP syncs on the last micro-batch whatever its index).
+ONE_EPOCH = COMMON + ["--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_batch_of_128(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch128")
+    check(run(plain(ONE_EPOCH + ["--backend", "local", "--batch-size", "128", "--output-dir", str(out)]), timeout=180))
+    return load_final(out)
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_accumulated_micro_batches_match_one_large_batch(launcher, one_batch_of_128, tmp_path):
+    # 2 ranks x 4 micro-batches of 16 = 128 samples per step, as the reference's one batch of 128.
+    check(run(LAUNCHERS[launcher](ONE_EPOCH + ["--batch-size", "16", "--accumulate", "4",
+                                               "--output-dir", str(tmp_path)]), timeout=240))
+    final = load_final(tmp_path)
+    row = read_metrics(tmp_path)[-1]
+    assert (row["backend"], row["world_size"], final["step"]) == (EXPECTED_BACKEND[launcher], 2, 32)
+    assert row["samples"] == 4000
+    diff = max_abs_diff(final["model"], one_batch_of_128["model"])
+    assert diff < 1e-5, f"{launcher}: 4 x 16 on 2 ranks vs 1 x 128: max abs weight difference {diff:.3g}"
+
+
+def test_accumulate_below_one_is_refused(tmp_path):
+    result = run(plain(COMMON + ["--accumulate", "0", "--output-dir", str(tmp_path)]), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "trainbridge: error: --accumulate must be at least 1 (got 0)"
+
+
+# ----- --amp -----------------------------------------------------------------
+STEPS = ["--max-steps", "8", "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def fp32_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp32")
+    check(run(torchrun(2, COMMON + STEPS + ["--output-dir", str(out)]), timeout=180))
+    return load_final(out)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_gives_the_same_weights_on_both_backends(amp, fp32_two_ranks, tmp_path):
+    finals = {}
+    for launcher in LAUNCHERS:
+        out = tmp_path / launcher
+        check(run(LAUNCHERS[launcher](COMMON + STEPS + ["--amp", amp, "--output-dir", str(out)]), timeout=240))
+        finals[launcher] = load_final(out)
+        assert read_metrics(out)[-1]["backend"] == EXPECTED_BACKEND[launcher]
+    # fp16 steps through a GradScaler: Horovod must unscale the averaged gradients
+    # (synchronize first), or its weights would drift from DDP's.
+    across = max_abs_diff(finals["torchrun"]["model"], finals["horovodrun-gloo"]["model"])
+    assert across < 1e-5, f"--amp {amp}: torch vs horovod max abs weight difference {across:.3g}"
+    # Autocast really ran: reduced-precision matmuls move the weights off the fp32 run.
+    off_fp32 = max_abs_diff(finals["torchrun"]["model"], fp32_two_ranks["model"])
+    assert off_fp32 > 1e-6, f"--amp {amp} gave the fp32 weights ({off_fp32:.3g}): autocast was not applied"
+    assert all(t.dtype == torch.float32 for t in finals["torchrun"]["model"].values())  # master weights stay fp32
+
+
+def test_fp16_loss_scale_survives_a_resume(tmp_path):
+    """The GradScaler's state is in the checkpoint: a resumed run continues its growth count."""
+    args = COMMON + ["--batch-size", "32", "--amp", "fp16", "--backend", "local"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    check(run(plain(args + ["--max-steps", "6", "--output-dir", str(whole)]), timeout=120))
+    check(run(plain(args + ["--max-steps", "3", "--output-dir", str(split)]), timeout=120))
+    check(run(plain(args + ["--max-steps", "6", "--output-dir", str(split)]), timeout=120))
+    a = torch.load(whole / "last.pt", weights_only=True)
+    b = torch.load(split / "last.pt", weights_only=True)
+    assert a["scaler"]["scale"] > 0 and a["scaler"]["_growth_tracker"] == 6  # 6 unskipped steps
+    assert b["scaler"] == a["scaler"]  # 3 + 3, not a fresh scaler's 3
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+# ----- --compression ---------------------------------------------------------
+EXACT_AVERAGE = {"none": 1 + 2 ** -9 + 2 ** -13, "fp16": 1 + 2 ** -9, "bf16": 1.0}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun-gloo"])
+def test_compression_averages_gradients_in_the_named_dtype(launcher):
+    probe = str(SCRIPTS / "compression_probe.py")
+    cmd = torchrun(2, [])[:3] + [probe] if launcher == "torchrun" else horovodrun(2, "gloo", [])[:4] + [PYTHON, probe]
+    result = check(run(cmd, timeout=120))
+    line = json.loads([l for l in result.stdout.splitlines() if l.startswith("{")][-1])
+    assert (line["backend"], line["world_size"]) == (EXPECTED_BACKEND[launcher], 2)
+    assert {k: line[k] for k in EXACT_AVERAGE} == EXACT_AVERAGE
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_training_stays_close_to_fp32(compression, fp32_two_ranks, tmp_path):
+    check(run(torchrun(2, COMMON + STEPS + ["--compression", compression, "--output-dir", str(tmp_path)]),
+              timeout=180))
+    diff = max_abs_diff(load_final(tmp_path)["model"], fp32_two_ranks["model"])
+    assert 0 < diff < 1e-2, f"--compression {compression}: max abs weight difference {diff:.3g} vs fp32"
+
+
+# ----- --channels-last -------------------------------------------------------
+def test_channels_last_trains_the_same_model(tmp_path):
+    args = COMMON + ["--backend", "local", "--batch-size", "32", "--max-steps", "6"]
+    check(run(plain(args + ["--channels-last", "off", "--output-dir", str(tmp_path / "off")]), timeout=120))
+    check(run(plain(args + ["--channels-last", "on", "--output-dir", str(tmp_path / "on")]), timeout=120))
+    off, on = load_final(tmp_path / "off")["model"], load_final(tmp_path / "on")["model"]
+    conv = next(k for k, v in on.items() if v.dim() == 4)
+    assert on[conv].is_contiguous(memory_format=torch.channels_last)  # the layout was applied
+    assert not off[conv].is_contiguous(memory_format=torch.channels_last)
+    assert max_abs_diff(on, off) < 1e-5

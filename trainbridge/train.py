@@ -63,7 +63,7 @@ def run_worker(cfg: TrainConfig) -> int:
         # kills the rest of the job on the first exit) and speak only if still
         # alive, i.e. when the error was theirs alone. Once the backend exists, an
         # error may be one rank's: each reports.
-        if backend is None and env.rank != 0:
+        if (backend is None and env.rank != 0) or exc.quiet:
             time.sleep(QUIET_RANK_GRACE_SECONDS)
         if not exc.quiet:
             report_error(str(exc))

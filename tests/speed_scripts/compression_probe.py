@@ -2,10 +2,12 @@
 
 Every rank's gradient is g = 1 + 2**-9 + 2**-13 (exact in fp32). fp16 keeps 10
 mantissa bits, bf16 7, so the averaged gradient is exactly
-none: g, fp16: 1 + 2**-9, bf16: 1.0. Run under any launcher; rank 0 prints
-one JSON line {"backend": ..., "none": ..., "fp16": ..., "bf16": ...}.
+none: g, fp16: 1 + 2**-9, bf16: 1.0. Run under any launcher with the
+compressions to try as arguments; rank 0 prints one JSON line
+{"backend": ..., "world_size": ..., "<compression>": <averaged gradient>, ...}.
 """
 import json
+import sys
 
 import torch
 
@@ -38,7 +40,7 @@ def main() -> None:
     backend = create_backend("auto", detect_launch())
     backend.init()
     result = {"backend": backend.name, "world_size": backend.world_size}
-    result.update({c: averaged_gradient(backend, c) for c in ("none", "fp16", "bf16")})
+    result.update({c: averaged_gradient(backend, c) for c in sys.argv[1:]})
     backend.print(json.dumps(result))
     backend.shutdown()
 

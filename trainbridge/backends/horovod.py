@@ -30,21 +30,6 @@ def import_horovod():
     return hvd
 
 
-class BF16Compressor:
-    """Horovod's Compressor interface for bfloat16 (Horovod ships none and fp16 only).
-
-    bf16 keeps fp32's exponent range, so large gradients do not overflow as in fp16.
-    """
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        return (tensor.to(torch.bfloat16), tensor.dtype) if tensor.dtype.is_floating_point else (tensor, None)
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        return tensor.to(ctx) if ctx is not None else tensor
-
-
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -118,7 +103,9 @@ class HorovodBackend(Backend):
 
     def _compression(self, name: str):
         if name == "bf16":
-            return BF16Compressor
+            raise UserError("--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
+                            "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
+                            "--backend torch for bf16", quiet=not self.is_main)
         return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None" = None) -> None:

@@ -22,7 +22,23 @@ from ..errors import UserError
 from ..launch import rendezvous_address
 from .base import REDUCE_OPS, Backend, first_line
 
-_COMPRESS_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP checks them as objects
+    """torch's bf16_compress_hook for gloo, which reduces bfloat16 but which torch's hook refuses (NCCL only)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])  # back into the fp32 bucket, in place
+        return buffer
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+# --compression: DDP comm hooks, by (compression, process group backend).
+_COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook, ("fp16", "gloo"): default_hooks.fp16_compress_hook,
+                   ("bf16", "nccl"): default_hooks.bf16_compress_hook, ("bf16", "gloo"): bf16_compress_hook_gloo}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
 
@@ -100,7 +116,7 @@ class TorchBackend(Backend):
         if compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
-            ddp.register_comm_hook(None, _COMPRESS_HOOKS[compression])
+            ddp.register_comm_hook(None, _COMPRESS_HOOKS[compression, self.pg_backend])
         # --accumulate needs nothing here: the loop runs early micro-batches in no_sync().
         return ddp, optimizer
 

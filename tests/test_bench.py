@@ -18,7 +18,8 @@ CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_
 
 def test_quick_bench_reports_every_configuration(tmp_path):
     out = tmp_path / "bench"
-    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--out", str(out)], timeout=170))
+    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--workload", "mnist-convnet",
+                        "--out", str(out)], timeout=170))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"
@@ -35,6 +36,24 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     assert all(t["ratio"] > 0 and t["met"] in (True, False) for t in workload["targets"])
     assert "| T4 trainbridge, 1 process vs bare loop |" in (out / "bench.md").read_text()
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+DESIGNSAFE_CONFIGS = ["local_all_cores", "bare_loop", "torch_gloo", "ddp_tutorial", "horovod_gloo",
+                      "horovod_tutorial_gloo"]
+
+
+def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
+    """ResNet34 on the image folder: trainbridge, both tutorial scripts and the DataLoader bare loop run."""
+    out = tmp_path / "bench"
+    only = [arg for key in DESIGNSAFE_CONFIGS for arg in ("--only", key)]
+    check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--workload", "designsafe-resnet34", *only,
+               "--out", str(out)], timeout=300))
+    workload = json.loads((out / "bench.json").read_text())["workloads"]["designsafe-resnet34"]
+    assert list(workload["configs"]) == DESIGNSAFE_CONFIGS
+    for key, config in workload["configs"].items():
+        assert config["status"] == "ok" and config["samples_per_second"] > 0, (key, config["errors"])
+    t1 = next(t for t in workload["targets"] if t["id"] == "T1")
+    assert t1["ratio"] > 0
 
 
 def python_config(key: str, code: str) -> BenchConfig:

@@ -91,9 +91,12 @@ class TorchBackend(Backend):
 
     def describe_failure(self, exc: BaseException) -> "str | None":
         text = str(exc)
-        peer_markers = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe",
-                        "NCCL", "gloo", "Socket Timeout")
-        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in text for m in peer_markers)):
+        # gloo words a lost or silent peer in several ways ("Connection closed by
+        # peer", "Timed out waiting ...", "Application timeout caused pair closure").
+        peer_markers = ("connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe",
+                        "nccl", "gloo", "pair closure")
+        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
+                                               and any(m in text.lower() for m in peer_markers)):
             return (f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died or stopped "
                     f"responding within --timeout {self.timeout:.0f}s: see its log")
         return None

@@ -13,6 +13,7 @@ Bad input ends with one line ``trainbridge: error: ...`` on stderr and exit stat
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import time
@@ -95,5 +96,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_worker(cfg)
 
 
+def exit_process(code: int) -> None:
+    """Exit with ``code`` once the work is done, skipping the interpreter's C++ teardown.
+
+    After a clean shutdown of the process group, gloo and the rendezvous store can
+    still hold helper threads in static objects; destroying them at interpreter exit
+    sometimes aborts the process ("terminate called without an active exception",
+    SIGABRT), which a launcher reports as a failed rank. Everything this process
+    owes the job (checkpoints, metrics, the shutdown barrier) is finished here, so
+    flush and leave directly (after a collection, so DataLoader workers are shut down).
+    """
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

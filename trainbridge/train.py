@@ -26,6 +26,7 @@ from .config import TrainConfig, parse_config
 from .errors import UserError
 from .fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from .launch import detect_launch, report_error
+from .launch.rendezvous import finalize_mpi
 from .launch.spawn import spawn_workers
 
 
@@ -105,8 +106,12 @@ def exit_process(code: int) -> None:
     SIGABRT), which a launcher reports as a failed rank. Everything this process
     owes the job (checkpoints, metrics, the shutdown barrier) is finished here, so
     flush and leave directly (after a collection, so DataLoader workers are shut down).
+    A failed rank skips MPI_Finalize, which could wait on peers that are gone; mpirun
+    then reports it as failed, as it should.
     """
     gc.collect()
+    if code == 0:
+        finalize_mpi()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -34,6 +34,17 @@ def share_over_mpi(env: LaunchEnv) -> Tuple[str, int]:
     return MPI.COMM_WORLD.bcast(choice, root=0)
 
 
+def finalize_mpi() -> None:
+    """Finalize MPI if mpi4py started it: mpirun counts a rank that leaves without
+    MPI_Finalize as failed, and a process that ends with ``os._exit`` skips
+    mpi4py's own atexit finalize."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 def share_over_horovodrun(env: LaunchEnv, environ, timeout: float) -> Tuple[str, int]:
     from horovod.runner.http.http_client import put_data_into_kvstore, read_data_from_kvstore
 

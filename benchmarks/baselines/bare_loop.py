@@ -7,8 +7,18 @@ data and optimizer come from the bench's workload entry, and the step timer is
 the bench's.
 
     python benchmarks/baselines/bare_loop.py --workload mnist-convnet --threads 2 --steps 160 --output-dir runs/bare
+
+Under torchrun it runs N independent copies, one per rank, that never exchange
+gradients: the same work as N-process training without the communication, which is
+the most that N processes can reach on this machine (they still share its caches,
+memory bandwidth and cores). The process group only gathers their timings at the end.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/baselines/bare_loop.py --threads 1 --output-dir runs/indep
 """
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from torch.utils.data import DataLoader
@@ -23,19 +33,21 @@ def main():
     args = baseline_parser("bare single-process loop").parse_args()
     workload = WORKLOADS[args.workload]
     torch.set_num_threads(args.threads)
+    copies = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     if workload.in_memory:
         images, labels = in_memory(workload.dataset())
         batches = lambda order: ((images.index_select(0, b), labels.index_select(0, b))  # noqa: E731
                                  for b in order.split(workload.batch_size))
     else:  # decoded and augmented per sample: a DataLoader with trainbridge's worker count
         loader = DataLoader(workload.dataset(), batch_size=workload.batch_size, shuffle=True,
-                            num_workers=auto_workers(1), persistent_workers=True)
+                            num_workers=auto_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), persistent_workers=True)
         batches = lambda order: loader  # noqa: E731
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed + rank)
     model = workload.model()
     optimizer = workload.optimizer(model.parameters())
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed + rank)
 
     timer = StepTimer(args.warmup_steps)
     step = 0
@@ -53,7 +65,15 @@ def main():
                 break
         timer.pause()
 
-    write_final(args.output_dir, [rank_performance(timer)], baseline="bare_loop", world_size=1, step=step)
+    per_rank = [rank_performance(timer)]
+    if copies > 1:  # only now do the copies talk: rank 0 writes every copy's timings
+        dist.init_process_group("gloo")
+        per_rank = [None] * copies
+        dist.all_gather_object(per_rank, rank_performance(timer))
+    if rank == 0:
+        write_final(args.output_dir, per_rank, baseline="bare_loop", world_size=copies, step=step)
+    if copies > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

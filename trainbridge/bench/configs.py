@@ -111,6 +111,12 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
         BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
+        # Opt-in bf16 autocast (other numerics than fp32): the gain of --amp, not a target.
+        BenchConfig("torch_gloo_bf16", f"trainbridge torch/gloo {n} --amp bf16", "trainbridge", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank), "--amp", "bf16")),
+        # The ceiling of N-process scaling here: N bare loops that never communicate.
+        BenchConfig("independent_bare_loops", f"bare loop {n}, no communication (ceiling)", "baseline",
+                    f"torchrun {n}", nproc, per_rank, (*torchrun, *baseline("bare_loop.py", per_rank))),
         BenchConfig("horovod_gloo", f"trainbridge horovod/gloo {n}", "trainbridge", f"horovodrun --gloo {n}",
                     nproc, per_rank, (*hvd_gloo, *trainbridge("horovod", per_rank))),
         BenchConfig("horovod_tutorial_gloo", f"Horovod tutorial gloo {n}", "baseline", f"horovodrun --gloo {n}",

@@ -36,9 +36,12 @@ def target_table(targets: List[Dict[str, Any]]) -> List[str]:
     lines = ["| target | measured | ratio | threshold | met | ratio per repeat |", "|---|---|---:|---:|---|---|"]
     for t in targets:
         reference = f"{t.get('scale', 'N')} x `{t['reference']}`" if t["scale_by_nproc"] else f"`{t['reference']}`"
-        met = {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
+        if t["threshold"] is None:
+            threshold, met = "-", "reference"
+        else:
+            threshold, met = f">= {t['threshold']:.2f}", {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['id']} {t['name']} | `{t['config']}` / {reference} | {fmt(t['ratio'], '.3f')} "
-                     f"| >= {t['threshold']:.2f} | {met} | {ratio_spread(t) or 'n/a'} |")
+                     f"| {threshold} | {met} | {ratio_spread(t) or 'n/a'} |")
     return lines
 
 

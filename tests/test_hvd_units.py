@@ -146,3 +146,28 @@ def test_migration_table_lists_every_horovod_torch_name_and_the_facade_has_the_s
                 for part in name.split("."):
                     owner = getattr(owner, part)  # raises if the facade lacks a supported name
     assert importlib.import_module("trainbridge.hvd.elastic").ObjectState
+
+
+def test_commit_file_round_trips_state_dicts_with_weights_only(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    snapshot = {"handlers": {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                "objects": {"epoch": 3, "batch": 7, "history": [0.5, 0.25], "note": None}}
+    path = str(tmp_path / "state.pt")
+    commit_file.save(snapshot, path)
+    loaded = commit_file.load(path)
+    assert loaded["objects"] == snapshot["objects"]
+    assert torch.equal(loaded["handlers"]["model"]["weight"], model.weight)
+    assert loaded["handlers"]["optimizer"]["state"][0]["step"] == 1
+
+
+def test_commit_file_names_a_value_it_cannot_load_safely(tmp_path):
+    class Custom:
+        pass
+
+    path = tmp_path / "state.pt"
+    with pytest.raises(TypeError, match=r"state\['objects'\]\['custom'\] is a Custom"):
+        commit_file.save({"objects": {"epoch": 1, "custom": Custom()}}, str(path))
+    assert not path.exists()

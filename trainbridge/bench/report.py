@@ -78,7 +78,7 @@ def write_png(result: Dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads = result["workloads"]
-    fig, axes = plt.subplots(len(workloads), 1, figsize=(12, 5.6 * len(workloads)), squeeze=False)
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(14, 5.8 * len(workloads)), squeeze=False)
     colours = {"trainbridge": "#2b6cb0", "baseline": "#a0aec0"}
     for ax, (name, w) in zip(axes[:, 0], workloads.items()):
         groups: Dict[str, List[str]] = {}
@@ -99,7 +99,8 @@ def write_png(result: Dict[str, Any], path: Path) -> None:
                         fontsize=8)
                 ticks.append(x)
                 ticklabels.append(c["label"].replace("trainbridge ", "trainbridge\n").replace(" (", "\n(")
-                                  .replace(" tutorial", "\ntutorial"))
+                                  .replace(" tutorial", "\ntutorial").replace(" --amp", "\n--amp")
+                                  .replace(", no communication", ",\nno communication"))
                 x += 1.0
             ax.axvspan(start - 0.5, x - 0.5, color="#edf2f7", zorder=0)
             ax.text((start + x - 1.0) / 2, -0.17, group, transform=ax.get_xaxis_transform(), ha="center",

@@ -57,13 +57,6 @@ def runtime() -> Runtime:
     return _runtime
 
 
-class _DeviceNeutralTorchBackend(TorchBackend):
-    """The torch backend's rendezvous and process group, without its one-GPU-per-rank device choice."""
-
-    def _pick_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
 def _timeout() -> float:
     return float(os.environ.get("TRAINBRIDGE_HVD_TIMEOUT", DEFAULT_TIMEOUT_S))
 
@@ -78,7 +71,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         return
     env = detect_launch()
     if not dist.is_initialized():
-        _owned_backend = _DeviceNeutralTorchBackend(env, timeout=min(_timeout(), 300.0))
+        # The torch backend's rendezvous and process group, without its one-GPU-per-rank
+        # device choice: as with Horovod, the script calls torch.cuda.set_device itself.
+        _owned_backend = TorchBackend(env, timeout=min(_timeout(), 300.0), select_device=False)
         _owned_backend.init()
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=_timeout())

@@ -8,8 +8,13 @@ torchrun, rank 0 therefore also writes each commit to
 
 atomically (write, then rename). On a restart (TORCHELASTIC_RESTART_COUNT > 0)
 rank 0 loads it and ``state.sync()`` broadcasts it to the other ranks, which may
-run on other nodes. Outside torchrun nothing is written. The file holds pickled
-Python objects: it is only read back by the job that wrote it.
+run on other nodes. Outside torchrun nothing is written.
+
+The file is read with ``torch.load(..., weights_only=True)``, like every other
+checkpoint of trainbridge, so it may hold only what that loader accepts: tensors,
+numbers, strings, None, and dicts, lists and tuples of them (model, optimizer
+and sampler state_dicts all are). ``save`` checks this first and names the value
+that is not, instead of writing a file the restart could not read.
 """
 from __future__ import annotations
 
@@ -37,7 +42,26 @@ def is_restart(environ: Optional[Mapping[str, str]] = None) -> bool:
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
+PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(value: Any, where: str = "state") -> None:
+    """Raise TypeError naming the first value ``torch.load(weights_only=True)`` would refuse."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_plain(key, f"{where} key {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, PLAIN):
+        raise TypeError(f"hvd.elastic: {where} is a {type(value).__name__}; the commit file holds only tensors, "
+                        f"numbers, strings, None and dicts/lists/tuples of them (it is loaded with "
+                        f"weights_only=True): store a state_dict or plain values instead")
+
+
 def save(snapshot: Any, path: str) -> None:
+    check_plain(snapshot)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
     torch.save(snapshot, partial)
@@ -47,4 +71,4 @@ def save(snapshot: Any, path: str) -> None:
 def load(path: str) -> Optional[Any]:
     if not os.path.exists(path):
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)

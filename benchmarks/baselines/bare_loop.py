@@ -15,8 +15,6 @@ memory bandwidth and cores). The process group only gathers their timings at the
 
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/bare_loop.py --threads 1 --output-dir runs/indep
 """
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,21 +25,22 @@ from trainbridge.bench.configs import baseline_parser
 from trainbridge.bench.measure import StepTimer, rank_performance, write_final
 from trainbridge.bench.workloads import WORKLOADS, in_memory
 from trainbridge.data.imagefolder import auto_workers
+from trainbridge.launch import detect_launch
 
 
 def main():
     args = baseline_parser("bare single-process loop").parse_args()
     workload = WORKLOADS[args.workload]
     torch.set_num_threads(args.threads)
-    copies = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    launch = detect_launch()  # one copy per rank under torchrun; plain python: one
+    rank = launch.rank
     if workload.in_memory:
         images, labels = in_memory(workload.dataset())
         batches = lambda order: ((images.index_select(0, b), labels.index_select(0, b))  # noqa: E731
                                  for b in order.split(workload.batch_size))
     else:  # decoded and augmented per sample: a DataLoader with trainbridge's worker count
         loader = DataLoader(workload.dataset(), batch_size=workload.batch_size, shuffle=True,
-                            num_workers=auto_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), persistent_workers=True)
+                            num_workers=auto_workers(launch.local_size), persistent_workers=True)
         batches = lambda order: loader  # noqa: E731
 
     torch.manual_seed(args.seed + rank)
@@ -65,15 +64,15 @@ def main():
                 break
         timer.pause()
 
+    copies = launch.world_size
     per_rank = [rank_performance(timer)]
     if copies > 1:  # only now do the copies talk: rank 0 writes every copy's timings
         dist.init_process_group("gloo")
         per_rank = [None] * copies
         dist.all_gather_object(per_rank, rank_performance(timer))
+        dist.destroy_process_group()
     if rank == 0:
         write_final(args.output_dir, per_rank, baseline="bare_loop", world_size=copies, step=step)
-    if copies > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

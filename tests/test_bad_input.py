@@ -12,7 +12,9 @@ QUICK = ["--dataset", "mnist-sample", "--max-steps", "2", "--no-progress"]
 
 def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> None:
     assert result.returncode != 0, result.stdout + result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.startswith("trainbridge: error:")]
+    # horovodrun prefixes each worker line with "[rank]<stderr>:"; that prefix is the launcher's.
+    lines = [re.sub(r"^\[\d+\]<stderr>:", "", l) for l in result.stderr.splitlines()]
+    lines = [l for l in lines if l.startswith("trainbridge: error:")]
     assert len(lines) == 1, result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     # No Python traceback out of trainbridge itself (torchrun prints its own summary).

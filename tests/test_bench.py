@@ -12,14 +12,15 @@ from trainbridge.bench.configs import BenchConfig
 from trainbridge.bench.runner import run_once
 from trainbridge.bench.targets import TARGETS, evaluate
 
-CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "torch_gloo_bf16",
+CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "torch_gloo_no_shm",
+           "torch_gloo_bf16",
            "independent_bare_loops", "horovod_gloo", "horovod_tutorial_gloo", "horovod_mpi", "horovod_tutorial_mpi"]
 
 
 def test_quick_bench_reports_every_configuration(tmp_path):
     out = tmp_path / "bench"
     result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--workload", "mnist-convnet",
-                        "--out", str(out)], timeout=170))
+                        "--out", str(out)], timeout=240))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"
@@ -38,6 +39,7 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     assert all(t["met"] is None for t in workload["targets"] if t["id"].startswith("R"))
     table = (out / "bench.md").read_text()
     assert "| T4 trainbridge, 1 process vs bare loop |" in table
+    assert "| R2 torch backend, shared-memory gradient exchange vs gloo" in table
     assert "| R3 ceiling for T3: N bare loops without communication" in table and "| reference |" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

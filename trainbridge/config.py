@@ -55,6 +55,7 @@ class TrainConfig:
     accumulate: int = 1
     compile: bool = False
     channels_last: str = "auto"
+    shm_allreduce: str = "auto"
     # Image-folder tasks (designsafe):
     image_size: int = 224
     no_pretrained: bool = False
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--channels-last", default=d.channels_last, choices=["auto", "on", "off"],
                        help="channels_last memory format for conv models and their inputs "
                             "(default auto: on with a GPU)")
+    speed.add_argument("--shm-allreduce", default=d.shm_allreduce, choices=["auto", "on", "off"],
+                       help="torch backend on CPUs: ranks on one host average gradients through shared memory "
+                            "instead of gloo's loopback TCP (default auto: when every rank is on this host)")
     images = p.add_argument_group("image-folder tasks (designsafe)")
     images.add_argument("--image-size", type=int, default=d.image_size,
                         help="images are resized to SIZE x SIZE pixels (default: 224; at least 32)")

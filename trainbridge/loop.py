@@ -143,7 +143,8 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
         progress_ = Progress(**checkpoint["progress"])
         if scaler is not None and checkpoint.get("scaler"):
             scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached
-    model, optimizer = backend.wrap(model, optimizer, accumulate=cfg.accumulate, compression=cfg.compression)
+    model, optimizer = backend.wrap(model, optimizer, accumulate=cfg.accumulate, compression=cfg.compression,
+                                    shm_allreduce=cfg.shm_allreduce)
     scheduler = build_scheduler(cfg, optimizer)  # after wrap: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, backend, cfg.batch_size, cfg.amp, scaler, layout, cfg.compile)
     if checkpoint is not None:

@@ -112,12 +112,14 @@ class Backend(abc.ABC):
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``optimizer.step()`` apply gradients averaged over all ranks.
 
         Every rank leaves with identical parameters and optimizer state.
         ``accumulate``: backward passes per step (the early ones inside :meth:`no_sync`).
         ``compression``: one of COMPRESSIONS, the dtype gradients are averaged in.
+        ``shm_allreduce``: auto, on or off: average through shared memory when every
+        rank is on this CPU host, where the backend can (``--shm-allreduce``).
         """
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:

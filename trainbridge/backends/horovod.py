@@ -77,8 +77,12 @@ class HorovodBackend(Backend):
             self.hvd.shutdown()
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
+        if shm_allreduce == "on":
+            raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
+                            "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
+                            quiet=not self.is_main)
         # Horovod: average gradients across ranks; hooks overlap with backward.
         # backward_passes_per_step: the hooks count K backward passes before the
         # allreduce (--accumulate); step() reduces whatever a short last batch left.

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import UserError
 from ..launch import rendezvous_address
 from .base import REDUCE_OPS, Backend, first_line
+from .shm_allreduce import ShmAllreduce, chunk_bytes
 
 
 
@@ -34,6 +35,13 @@ def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP check
         buffer.copy_(fut.value()[0])  # back into the fp32 bucket, in place
         return buffer
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def shm_average_hook(exchange: ShmAllreduce, bucket):
+    """DDP comm hook: average the bucket through shared memory (synchronously) instead of gloo."""
+    done = torch.futures.Future()
+    done.set_result(exchange.average_(bucket.buffer()))
+    return done
 
 
 # --compression: DDP comm hooks, by (compression, process group backend).
@@ -110,18 +118,52 @@ class TorchBackend(Backend):
             dist.destroy_process_group()
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        exchange = self._shared_memory_exchange(model, shm_allreduce, compression)
         if compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
             ddp.register_comm_hook(None, _COMPRESS_HOOKS[compression, self.pg_backend])
+        elif exchange is not None:
+            # Ranks on one CPU host add each other's buckets in shared memory:
+            # no loopback TCP, no gloo threads competing with compute.
+            ddp.register_comm_hook(exchange, shm_average_hook)
         # --accumulate needs nothing here: the loop runs early micro-batches in no_sync().
         return ddp, optimizer
+
+    def _shared_memory_exchange(self, model: torch.nn.Module, mode: str, compression: str) -> "ShmAllreduce | None":
+        """The shared-memory gradient exchange for --shm-allreduce, or None for gloo/nccl.
+
+        The reasons against it are the same on every rank, so every rank calls the
+        collective :meth:`ShmAllreduce.open` or none does.
+        """
+        if mode not in ("auto", "on", "off"):
+            raise UserError(f"--shm-allreduce {mode} is not supported; use auto, on or off")
+        if mode == "off" or self.world_size == 1:  # one process: nothing to average
+            return None
+        why = None
+        if self.pg_backend != "gloo":
+            why = "the gradients are on GPUs (nccl has its own shared-memory transport)"
+        elif compression != "none":
+            why = f"--compression {compression} sends gradients through gloo"
+        elif self.env.local_size != self.world_size:
+            why = f"the ranks are on several hosts ({self.env.local_size} of {self.world_size} on this one)"
+        exchange = None
+        if why is None:
+            grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            exchange, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
+                                              self.timeout, self.broadcast_object, self.allgather_object)
+        if why is not None and mode == "on":
+            raise UserError(f"--shm-allreduce on is not possible: {why}; use --shm-allreduce auto or off",
+                            quiet=not self.is_main)
+        if why is not None and self.pg_backend == "gloo":
+            self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")
+        return exchange
 
     def no_sync(self, model: torch.nn.Module):
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)

@@ -111,6 +111,10 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
         BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
+        # The same job with gradients through gloo instead of shared memory: what --shm-allreduce buys.
+        BenchConfig("torch_gloo_no_shm", f"trainbridge torch/gloo {n} --shm-allreduce off", "trainbridge",
+                    f"torchrun {n}", nproc, per_rank,
+                    (*torchrun, *trainbridge("torch", per_rank), "--shm-allreduce", "off")),
         # Opt-in bf16 autocast (other numerics than fp32): the gain of --amp, not a target.
         BenchConfig("torch_gloo_bf16", f"trainbridge torch/gloo {n} --amp bf16", "trainbridge", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank), "--amp", "bf16")),

@@ -35,6 +35,8 @@ TARGETS = [
     Target("R3", "ceiling for T3: N bare loops without communication vs N x one-thread unit",
            "independent_bare_loops", UNIT, None, scale_by_nproc=True),
     Target("R1", "torch backend with --amp bf16 vs hand-written DDP (fp32)", "torch_gloo_bf16", "ddp_tutorial", None),
+    Target("R2", "torch backend, shared-memory gradient exchange vs gloo (--shm-allreduce off)", "torch_gloo",
+           "torch_gloo_no_shm", None),
 ]
 
 

@@ -51,3 +51,21 @@ def initial_weights():
     from trainbridge.models import build_model
     torch.manual_seed(5)
     return build_model("plaincnn").state_dict()
+
+
+def test_batchnorm_model_trains_the_same_on_both_backends(tmp_path):
+    # DDP runs without its per-forward buffer broadcast (see backends/torch_ddp.py);
+    # Horovod never had one. Both must still end with the same weights and the same
+    # BatchNorm statistics (rank 0's). BatchNorm normalizes each rank's own batch,
+    # so one process with batch 2B is no reference here: the other backend is.
+    args = ["--model", "convnet-bn", "--optimizer", "sgd", "--lr", "0.05", "--max-steps", str(K),
+            "--dataset", "mnist-sample", "--seed", "5", "--batch-size", str(B), "--no-progress"]
+    check(run(torchrun(2, args + ["--output-dir", str(tmp_path / "torch")]), timeout=180))
+    check(run(horovodrun(2, "gloo", args + ["--output-dir", str(tmp_path / "horovod")]), timeout=180))
+    ddp, hvd = load_final(tmp_path / "torch")["model"], load_final(tmp_path / "horovod")["model"]
+    assert ddp.keys() == hvd.keys() and any(k.endswith("running_var") for k in ddp)
+    diff = {k: (ddp[k].double() - hvd[k].double()).abs().max().item() for k in ddp}
+    assert max(diff.values()) < 1e-5, {k: d for k, d in diff.items() if d >= 1e-5}
+    assert all(int(ddp[k]) == K for k in ddp if k.endswith("num_batches_tracked"))
+    # The statistics moved from their initial zeros and ones: a run that never updated them would also "match".
+    assert max(ddp[k].abs().max().item() for k in ddp if k.endswith("running_mean")) > 1e-3

@@ -1,4 +1,6 @@
-"""The tutorial models have the documented architectures."""
+"""The tutorial models have the documented architectures; the optimizers behind --optimizer."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -46,3 +48,27 @@ def test_optimizers_and_scale_lr():
         optimizer = build_optimizer(cfg, params, world_size=4)
         assert isinstance(optimizer, cls) and optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
     assert build_optimizer(TrainConfig(optimizer="sgd", lr=0.1), params, 4).param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_adam_and_sgd_use_fused_kernels_with_the_same_update(name):
+    from trainbridge.config import TrainConfig
+    from trainbridge.loop import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model("convnet-dropout")
+    looped, initial = copy.deepcopy(model), copy.deepcopy(model)
+    cfg = TrainConfig(optimizer=name, lr=1e-3, momentum=0.9)
+    fused = build_optimizer(cfg, model.parameters(), world_size=1)
+    assert fused.param_groups[0]["fused"] is True
+    reference = {"adam": torch.optim.Adam(looped.parameters(), lr=1e-3, foreach=False),
+                 "sgd": torch.optim.SGD(looped.parameters(), lr=1e-3, momentum=0.9, foreach=False)}[name]
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        for params, optimizer in ((model.parameters(), fused), (looped.parameters(), reference)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), looped.parameters()))
+    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters()))
+    assert diff < 1e-6 and moved > 1e-4, (diff, moved)  # the same update, and an update at all

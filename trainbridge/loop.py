@@ -27,6 +27,7 @@ from .classification_report import report_model
 from .config import TrainConfig
 from .errors import UserError
 from .fault_tolerance import Preempted, StopSignal, Watchdog, maybe_fail
+from .optimizers import fused_kernels
 from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
@@ -37,11 +38,13 @@ from .train_step import TrainStep, check_amp, make_scaler, memory_format
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
     # --scale-lr: with N ranks the global batch is N times larger (Goyal et al.).
     lr = cfg.lr * (world_size if cfg.scale_lr else 1)
+    params = list(params)
+    kernels = fused_kernels(cfg.optimizer, params[0].device) if params else {}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, **kernels)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.Adadelta(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, **kernels)
+    return torch.optim.Adadelta(params, lr=lr, **kernels)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):

@@ -26,13 +26,18 @@ class Workload:
     batch_size: int  # per process
     model: Callable[[], torch.nn.Module]  # freshly initialised (callers seed first)
     dataset: Callable[[], Dataset]  # the training set, map-style: (input, label) per index
-    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    optimizer: Callable[..., torch.optim.Optimizer]  # (parameters, **torch constructor keywords such as fused)
     prepare: Callable[[], None] = lambda: None
     in_memory: bool = True
     full_steps: int = 160  # optimizer steps per process, warm-up included
     quick_steps: int = 12
     warmup_steps: int = 10
     quick_warmup_steps: int = 3
+
+    @property
+    def optimizer_name(self) -> str:
+        """The ``--optimizer`` of ``train_args``."""
+        return self.train_args[self.train_args.index("--optimizer") + 1]
 
     def steps(self, quick: bool) -> Tuple[int, int]:
         """(steps, warm-up steps) for quick or full mode."""
@@ -62,8 +67,8 @@ def convnet_dropout() -> torch.nn.Module:
     return build_model("convnet-dropout")
 
 
-def adadelta(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adadelta(params, lr=1.0)
+def adadelta(params: Iterable[torch.nn.Parameter], **kernels: bool) -> torch.optim.Optimizer:
+    return torch.optim.Adadelta(params, lr=1.0, **kernels)
 
 
 DESIGNSAFE_SIZE = 64  # pixels: ResNet34 at 224 px is minutes per step on 2 CPU cores
@@ -98,8 +103,8 @@ def resnet34_three_classes() -> torch.nn.Module:
     return build_classifier("resnet34", 3, None)  # random initialisation, as --no-pretrained
 
 
-def adam(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-4)
+def adam(params: Iterable[torch.nn.Parameter], **kernels: bool) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4, **kernels)
 
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in [

@@ -59,9 +59,9 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, backend: Backend, b
              beat=lambda: None) -> Dict[str, float]:
     """Exact loss and accuracy over the whole split, whatever the world size.
 
-    ``model`` must be the unwrapped module: under DDP a forward pass of the
-    wrapper would broadcast buffers, a collective that hangs when ranks have
-    different numbers of evaluation batches.
+    ``model`` must be the unwrapped module: a forward pass of the DDP wrapper
+    may run collectives (buffer broadcasts, when enabled), which hang when ranks
+    have different numbers of evaluation batches.
     """
     was_training = model.training
     model.eval()

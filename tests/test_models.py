@@ -61,9 +61,9 @@ def test_adam_and_sgd_use_fused_kernels_with_the_same_update(name):
     cfg = TrainConfig(optimizer=name, lr=1e-3, momentum=0.9)
     fused = build_optimizer(cfg, model.parameters(), world_size=1)
     assert fused.param_groups[0]["fused"] is True
-    reference = {"adam": torch.optim.Adam(looped.parameters(), lr=1e-3, foreach=False),
-                 "sgd": torch.optim.SGD(looped.parameters(), lr=1e-3, momentum=0.9, foreach=False)}[name]
-    for step in range(3):
+    reference = (torch.optim.Adam(looped.parameters(), lr=1e-3, foreach=False) if name == "adam"
+                 else torch.optim.SGD(looped.parameters(), lr=1e-3, momentum=0.9, foreach=False))
+    for _ in range(3):
         grads = [torch.randn_like(p) for p in model.parameters()]
         for params, optimizer in ((model.parameters(), fused), (looped.parameters(), reference)):
             for p, g in zip(params, grads):

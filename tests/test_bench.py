@@ -42,6 +42,8 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     assert "| R2 torch backend, shared-memory gradient exchange vs gloo" in table
     assert "| R3 ceiling for T3: N bare loops without communication" in table and "| reference |" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The runs wrote checkpoints (trainbridge rows) and the bench removed them: logs and metrics stay.
+    assert list(out.rglob("metrics.jsonl")) and not list(out.rglob("*.pt"))
 
 
 DESIGNSAFE_CONFIGS = ["local_all_cores", "bare_loop", "torch_gloo", "ddp_tutorial", "horovod_gloo",

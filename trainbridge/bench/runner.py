@@ -140,7 +140,10 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     foreign_share = max(0.0, foreign / (wall * (psutil.cpu_count() or 1))) if wall > 0 else None
     result = RunResult(config.key, repeat, "ok", round(wall, 2), foreign_share and round(foreign_share, 3),
                        log_dir=str(run_dir), exit_code=code)
-    (run_dir / "final.pt").unlink(missing_ok=True)  # the bench keeps logs and metrics, not weights
+    # The bench keeps logs and metrics, not weights: a DesignSafe ResNet34 run
+    # leaves about 800 MB of checkpoints (last, previous, best, final).
+    for weights in run_dir.rglob("*.pt"):
+        weights.unlink(missing_ok=True)
     if code is None:
         result.status, result.error = "timeout", f"killed after {timeout:.0f}s; stderr tail:\n{tail(stderr)}"
         return result

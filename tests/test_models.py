@@ -72,3 +72,44 @@ def test_adam_and_sgd_use_fused_kernels_with_the_same_update(name):
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), looped.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters()))
     assert diff < 1e-6 and moved > 1e-4, (diff, moved)  # the same update, and an update at all
+
+
+def test_a_checkpoint_from_the_looped_kernel_resumes_on_the_fused_one():
+    from trainbridge.config import TrainConfig
+    from trainbridge.loop import build_optimizer
+    from trainbridge.optimizers import load_keeping_kernels
+
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    resumed_model = copy.deepcopy(model)
+    old = torch.optim.Adam(model.parameters(), lr=1e-3)  # as written before fused kernels: fused None
+    assert old.param_groups[0]["fused"] is None
+
+    def step(params, optimizer, grads):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+
+    for _ in range(2):
+        step(model.parameters(), old, [torch.randn_like(p) for p in model.parameters()])
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = build_optimizer(TrainConfig(optimizer="adam", lr=1e-3), resumed_model.parameters(), world_size=1)
+    load_keeping_kernels(resumed, copy.deepcopy(old.state_dict()))
+    assert resumed.param_groups[0]["fused"] is True  # this run's kernel, not the checkpoint's
+    first = next(iter(resumed.state.values()))
+    assert int(first["step"]) == 2 and first["exp_avg"].abs().sum() > 0  # the moments came along
+
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    step(model.parameters(), old, grads)
+    step(resumed_model.parameters(), resumed, grads)
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert diff < 1e-6, diff  # the third step continues the same Adam state
+
+
+def test_loading_a_state_with_other_parameter_groups_still_fails_loudly():
+    from trainbridge.optimizers import load_keeping_kernels
+
+    one = torch.optim.Adam([nn.Parameter(torch.zeros(2))], fused=True)
+    two = torch.optim.Adam([{"params": [nn.Parameter(torch.zeros(2))]}, {"params": [nn.Parameter(torch.zeros(3))]}])
+    with pytest.raises(ValueError, match="parameter groups"):
+        load_keeping_kernels(one, two.state_dict())

@@ -27,7 +27,7 @@ from .classification_report import report_model
 from .config import TrainConfig
 from .errors import UserError
 from .fault_tolerance import Preempted, StopSignal, Watchdog, maybe_fail
-from .optimizers import fused_kernels
+from .optimizers import fused_kernels, load_keeping_kernels
 from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
     progress_ = Progress()
     if checkpoint is not None:
         load_model_state(model, checkpoint["model"], checkpoint["path"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
         if scaler is not None and checkpoint.get("scaler"):
             scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached

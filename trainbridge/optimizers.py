@@ -21,3 +21,23 @@ FUSED_DEVICES = ("cpu", "cuda")
 def fused_kernels(optimizer: str, device: torch.device) -> Dict[str, bool]:
     """Keyword arguments for torch's constructor of ``optimizer`` (a --optimizer name) on ``device``."""
     return {"fused": True} if optimizer in FUSED_OPTIMIZERS and device.type in FUSED_DEVICES else {}
+
+
+KERNEL_FLAGS = ("fused", "foreach")
+
+
+def load_keeping_kernels(optimizer: torch.optim.Optimizer, state: Dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping the kernels this run's optimizer was built with.
+
+    A checkpoint's param_groups carry the kernel flags of the run that wrote it:
+    ``fused: None`` when written before fused kernels were trainbridge's default, or
+    flags meant for another device. Loaded as they are, they would silently put the
+    resumed run on the looped kernel (4x slower for ResNet34's Adam on a CPU).
+    The flags are replaced before loading, so that torch places the restored step
+    counters where this kernel needs them (on the parameters' device when fused).
+    """
+    saved = state["param_groups"]
+    if len(saved) == len(optimizer.param_groups):  # else let torch name the mismatch
+        saved = [{**group, **{flag: mine[flag] for flag in KERNEL_FLAGS if flag in mine}}
+                 for group, mine in zip(saved, optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": saved})

@@ -58,6 +58,14 @@ def test_sample_layout_sizes_and_readme(sample):
     assert check_layout(str(sample)).keys() == {"train", "val", "test"}
 
 
+def test_sample_with_more_training_images(tmp_path):
+    bigger = tmp_path / "bigger"
+    make_sample(str(bigger), seed=0, train_per_class=IMAGES_PER_CLASS["Train"] + 3)
+    for split, count in IMAGES_PER_CLASS.items():
+        expected = count + 3 if split == "Train" else count
+        assert [len(image_files(str(bigger / split / name))) for name in CLASSES] == [expected] * len(CLASSES)
+
+
 def test_sample_is_deterministic_and_classes_differ(sample, tmp_path):
     again = tmp_path / "again"
     make_sample(str(again), seed=0)

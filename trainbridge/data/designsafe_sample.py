@@ -111,10 +111,10 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
     return image
 
 
-def make_sample(out_dir: str, seed: int = 0) -> List[str]:
+def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_CLASS["Train"]) -> List[str]:
     """Write the synthetic ImageFolder to ``out_dir``; returns the split folders written.
 
-    Deterministic for a given ``seed``. An existing synthetic sample is replaced;
+    Deterministic for a given ``seed`` and ``train_per_class`` (Train/ images per class). An existing synthetic sample is replaced;
     any other non-empty folder is refused, so that real data is never overwritten.
     """
     if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -123,7 +123,7 @@ def make_sample(out_dir: str, seed: int = 0) -> List[str]:
         shutil.rmtree(out_dir)
     rng = np.random.default_rng(seed)
     written = []
-    for split, count in IMAGES_PER_CLASS.items():
+    for split, count in {**IMAGES_PER_CLASS, "Train": train_per_class}.items():
         for damage, name in enumerate(CLASSES):
             folder = os.path.join(out_dir, split, name)
             os.makedirs(folder, exist_ok=True)

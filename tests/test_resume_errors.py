@@ -70,3 +70,18 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path):
     assert ckpt["sampler"] == {"seed": 1, "epoch": 1, "position": 0} and ckpt["epoch"] == 1
     final_row = read_metrics(tmp_path)[-1]
     assert len(ckpt["rng"]["torch"]) == 1 and ckpt["best"]["val_accuracy"] == final_row["val_accuracy"]
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_keeps_the_last(tmp_path):
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+    good = {p.name: p.read_bytes() for p in tmp_path.glob("*.pt")}
+    assert "last.pt" in good
+    # The next checkpoint hits a file size limit, as a full disk would: a real failed write
+    # (bash's ulimit -f, in KiB; SIGXFSZ ignored so that write() returns EFBIG instead of killing).
+    limit_kib = len(good["last.pt"]) // 2048
+    resumed = plain(QUICK + ["--epochs", "2", "--output-dir", str(tmp_path)])
+    result = run(["bash", "-c", f'ulimit -f {limit_kib}; trap "" XFSZ; exec "$@"', "bash", *resumed], timeout=120)
+    assert_one_clear_line(result, r"cannot write the checkpoint .*\.pt: File too large; the checkpoints already in "
+                                  r".* are unchanged; free space there or pass another --output-dir")
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.pt")} == good  # nothing good overwritten
+    assert not list(tmp_path.glob(".*.tmp"))  # nor a partial file left to fill the disk

@@ -12,6 +12,9 @@ Contract (the *why* of each rule):
   hold only tensors, numbers, strings, lists and dicts, never pickled code.
 * A corrupt file is never overwritten silently: with ``--resume auto`` it is moved
   aside to ``<name>.corrupt`` (and the run says so) before ``previous.pt`` is tried.
+* A write that fails (a full disk, a quota, a file size limit) removes its
+  temporary file and stops the run with one line naming the file, the reason and
+  the fix; the checkpoints already there are untouched.
 """
 from __future__ import annotations
 
@@ -34,18 +37,52 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+class _WriteErrors:
+    """The file torch.save writes to, keeping the OSError of a failed write.
+
+    torch turns a failed write into an opaque RuntimeError ("unexpected pos 704
+    vs 598"); the OSError kept here says what happened ("No space left on device").
+    """
+
+    def __init__(self, file) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
     """Write ``obj`` to ``path`` so that a crash at any moment leaves a loadable file there (or none).
 
     With ``keep_previous``, the file being replaced is first renamed to that path.
+    A failed write raises UserError and leaves ``path`` and ``keep_previous`` as they were.
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        sink = _WriteErrors(f)
+        try:
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise  # not the file system: a bug, keep its traceback
+                raise sink.error from None
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as exc:
+            f.close()
+            os.remove(tmp)
+            raise UserError(f"cannot write the checkpoint {path}: {exc.strerror or exc}; the checkpoints already in "
+                            f"{directory} are unchanged; free space there or pass another --output-dir") from None
     if keep_previous and os.path.exists(path):
         os.replace(path, keep_previous)
     os.replace(tmp, path)

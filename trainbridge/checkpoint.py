@@ -70,19 +70,18 @@ def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = N
     with open(tmp, "wb") as f:
         sink = _WriteErrors(f)
         try:
-            try:
-                torch.save(obj, sink)
-            except RuntimeError:
-                if sink.error is None:
-                    raise  # not the file system: a bug, keep its traceback
-                raise sink.error from None
+            torch.save(obj, sink)
             f.flush()
             os.fsync(f.fileno())
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
+            failed = sink.error or (exc if isinstance(exc, OSError) else None)
+            if failed is None:
+                raise  # not the file system: a bug, keep its traceback
             f.close()
             os.remove(tmp)
-            raise UserError(f"cannot write the checkpoint {path}: {exc.strerror or exc}; the checkpoints already in "
-                            f"{directory} are unchanged; free space there or pass another --output-dir") from None
+            raise UserError(f"cannot write the checkpoint {path}: {failed.strerror or failed}; the checkpoints "
+                            f"already in {directory} are unchanged; free space there or pass another --output-dir"
+                            ) from None
     if keep_previous and os.path.exists(path):
         os.replace(path, keep_previous)
     os.replace(tmp, path)

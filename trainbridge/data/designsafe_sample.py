@@ -114,8 +114,9 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
 def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_CLASS["Train"]) -> List[str]:
     """Write the synthetic ImageFolder to ``out_dir``; returns the split folders written.
 
-    Deterministic for a given ``seed`` and ``train_per_class`` (Train/ images per class). An existing synthetic sample is replaced;
-    any other non-empty folder is refused, so that real data is never overwritten.
+    Deterministic for a given ``seed`` and ``train_per_class`` (Train/ images per
+    class). An existing synthetic sample is replaced; any other non-empty folder is
+    refused, so that real data is never overwritten.
     """
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not is_synthetic_sample(out_dir):

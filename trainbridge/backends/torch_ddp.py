@@ -9,6 +9,7 @@ disagree fail with both numbers instead of waiting forever.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 from typing import Any, Callable, List, Tuple
@@ -114,6 +115,9 @@ class TorchBackend(Backend):
             if clean:
                 # Leave together: a rank that tears gloo down while a peer still
                 # talks to it can abort ("terminate called without an active exception").
+                # DDP wrappers no longer used sit in reference cycles; collect them
+                # now, while their process group lives, not at interpreter exit.
+                gc.collect()
                 dist.barrier()
             dist.destroy_process_group()
 

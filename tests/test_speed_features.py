@@ -1,13 +1,17 @@
-"""The speed features of issue 6 on both backends: --accumulate, --amp, --compression, --channels-last.
+"""The speed features of issue 6 on both backends: --accumulate, --amp, --compression, --channels-last,
+and Horovod's cycle time on CPUs.
 
 Each test compares weights or numbers that would differ if the feature were
 ignored, so a silently dropped flag fails.
 """
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
+
+from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
 
 from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
                       torchrun)
@@ -145,3 +149,30 @@ def test_channels_last_trains_the_same_model(tmp_path):
     assert on[conv].is_contiguous(memory_format=torch.channels_last)  # the layout was applied
     assert not off[conv].is_contiguous(memory_format=torch.channels_last)
     assert max_abs_diff(on, off) < 1e-5
+
+
+# ----- Horovod's cycle time on CPUs -------------------------------------------
+def horovod_cycle_ms(tmp_path: Path, env: dict) -> float:
+    """Median time between the starts of Horovod's background cycles, from Horovod's own timeline."""
+    tmp_path.mkdir()
+    timeline = tmp_path / "timeline.json"
+    env = {"HOROVOD_TIMELINE": str(timeline), "HOROVOD_TIMELINE_MARK_CYCLES": "1", **env}
+    check(run(horovodrun(2, "gloo", COMMON + STEPS + ["--output-dir", str(tmp_path / "out")]), timeout=180, env=env))
+    text = timeline.read_text().rstrip().rstrip(",")  # Horovod may leave the JSON array open
+    events = json.loads(text if text.endswith("]") else text + "]")
+    starts = [e["ts"] for e in events if e.get("name") == "CYCLE_START"]  # microseconds
+    assert len(starts) > 20, f"only {len(starts)} cycles in {timeline}"
+    return statistics.median(b - a for a, b in zip(starts, starts[1:])) / 1000
+
+
+def test_horovod_on_cpus_cycles_every_5_ms_unless_the_user_says_otherwise(tmp_path):
+    # Horovod's own default is 1 ms; a cycle never starts before its time is up.
+    assert horovod_cycle_ms(tmp_path / "default", {}) >= 0.9 * CPU_CYCLE_TIME_MS
+    assert horovod_cycle_ms(tmp_path / "user", {"HOROVOD_CYCLE_TIME": "20"}) >= 18
+
+
+def test_gpus_keep_horovods_cycle_time():
+    assert horovod_defaults("cpu", 60)["HOROVOD_CYCLE_TIME"] == str(CPU_CYCLE_TIME_MS)
+    gpu = horovod_defaults("cuda", 60)
+    assert "HOROVOD_CYCLE_TIME" not in gpu and "OMPI_MCA_mpi_yield_when_idle" not in gpu
+    assert gpu["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "60"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -98,9 +99,7 @@ def write_png(result: Dict[str, Any], path: Path) -> None:
                 ax.text(x, rate, "FAILED" if c["status"] != "ok" else f"{rate:,.0f}", ha="center", va="bottom",
                         fontsize=8)
                 ticks.append(x)
-                ticklabels.append(c["label"].replace("trainbridge ", "trainbridge\n").replace(" (", "\n(")
-                                  .replace(" tutorial", "\ntutorial").replace(" --amp", "\n--amp")
-                                  .replace(", no communication", ",\nno communication"))
+                ticklabels.append(textwrap.fill(c["label"], width=15, break_long_words=False))
                 x += 1.0
             ax.axvspan(start - 0.5, x - 0.5, color="#edf2f7", zorder=0)
             ax.text((start + x - 1.0) / 2, -0.17, group, transform=ax.get_xaxis_transform(), ha="center",

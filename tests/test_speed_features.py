@@ -176,3 +176,4 @@ def test_gpus_keep_horovods_cycle_time():
     gpu = horovod_defaults("cuda", 60)
     assert "HOROVOD_CYCLE_TIME" not in gpu and "OMPI_MCA_mpi_yield_when_idle" not in gpu
     assert gpu["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "60"
+    assert "HOROVOD_CYCLE_TIME" not in horovod_defaults("cpu", 60, elastic=True)  # see horovod_defaults

@@ -32,7 +32,7 @@ def import_horovod():
     return hvd
 
 
-def horovod_defaults(device_type: str, timeout: float) -> Dict[str, str]:
+def horovod_defaults(device_type: str, timeout: float, elastic: bool = False) -> Dict[str, str]:
     """The environment Horovod reads at init, as trainbridge sets it unless the user did."""
     env = {
         # A rank that dies must not leave the others waiting forever: Horovod's
@@ -51,7 +51,11 @@ def horovod_defaults(device_type: str, timeout: float) -> Dict[str, str]:
         #   cycle measured +9 % samples/s with the Gloo controller (MNIST and
         #   DesignSafe, 2 ranks; benchmarks/RESULTS.md); GPUs keep Horovod's default.
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-        env["HOROVOD_CYCLE_TIME"] = str(CPU_CYCLE_TIME_MS)
+        if not elastic:
+            # Elastic keeps Horovod's default: with HOROVOD_CYCLE_TIME in the workers'
+            # environment (any value, 1 ms included) a replacement worker could not
+            # rejoin (gloo "op.preamble.length <= op.nbytes"; tests/test_fault_tolerance.py).
+            env["HOROVOD_CYCLE_TIME"] = str(CPU_CYCLE_TIME_MS)
     return env
 
 
@@ -69,13 +73,13 @@ class HorovodBackend(Backend):
             )
 
     def init(self) -> None:
-        for key, value in horovod_defaults(self.device.type, self.timeout).items():
-            os.environ.setdefault(key, value)  # what the user (or horovodrun's flags) set wins
-        self.hvd = import_horovod()
-        self.hvd.init()
         # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change
         # on the fly, so it is not checked against the launcher's initial count.
         self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        for key, value in horovod_defaults(self.device.type, self.timeout, self.elastic).items():
+            os.environ.setdefault(key, value)  # what the user (or horovodrun's flags) set wins
+        self.hvd = import_horovod()
+        self.hvd.init()
         self.full_size = self.hvd.size()
         if not self.elastic:
             self.check_world_size(self.hvd.size(), "Horovod")

@@ -152,12 +152,12 @@ def test_channels_last_trains_the_same_model(tmp_path):
 
 
 # ----- Horovod's cycle time on CPUs -------------------------------------------
-def horovod_cycle_ms(tmp_path: Path, env: dict) -> float:
+def horovod_cycle_ms(folder: Path, env: dict) -> float:
     """Median time between the starts of Horovod's background cycles, from Horovod's own timeline."""
-    tmp_path.mkdir()
-    timeline = tmp_path / "timeline.json"
+    folder.mkdir()
+    timeline = folder / "timeline.json"
     env = {"HOROVOD_TIMELINE": str(timeline), "HOROVOD_TIMELINE_MARK_CYCLES": "1", **env}
-    check(run(horovodrun(2, "gloo", COMMON + STEPS + ["--output-dir", str(tmp_path / "out")]), timeout=180, env=env))
+    check(run(horovodrun(2, "gloo", COMMON + STEPS + ["--output-dir", str(folder / "out")]), timeout=180, env=env))
     text = timeline.read_text().rstrip().rstrip(",")  # Horovod may leave the JSON array open
     events = json.loads(text if text.endswith("]") else text + "]")
     starts = [e["ts"] for e in events if e.get("name") == "CYCLE_START"]  # microseconds
@@ -171,7 +171,7 @@ def test_horovod_on_cpus_cycles_every_5_ms_unless_the_user_says_otherwise(tmp_pa
     assert horovod_cycle_ms(tmp_path / "user", {"HOROVOD_CYCLE_TIME": "20"}) >= 18
 
 
-def test_gpus_keep_horovods_cycle_time():
+def test_gpus_and_elastic_jobs_keep_horovods_cycle_time():
     assert horovod_defaults("cpu", 60)["HOROVOD_CYCLE_TIME"] == str(CPU_CYCLE_TIME_MS)
     gpu = horovod_defaults("cuda", 60)
     assert "HOROVOD_CYCLE_TIME" not in gpu and "OMPI_MCA_mpi_yield_when_idle" not in gpu

@@ -56,6 +56,7 @@ class TrainConfig:
     compile: bool = False
     channels_last: str = "auto"
     shm_allreduce: str = "auto"
+    malloc_tuning: str = "auto"
     # Image-folder tasks (designsafe):
     image_size: int = 224
     no_pretrained: bool = False
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--shm-allreduce", default=d.shm_allreduce, choices=["auto", "on", "off"],
                        help="torch backend on CPUs: ranks on one host average gradients through shared memory "
                             "instead of gloo's loopback TCP (default auto: when every rank is on this host)")
+    speed.add_argument("--malloc-tuning", default=d.malloc_tuning, choices=["auto", "off"],
+                       help="glibc malloc: large blocks from the heap, which is never trimmed (default auto: "
+                            "unless MALLOC_*_ variables, GLIBC_TUNABLES or a preloaded allocator say otherwise)")
     images = p.add_argument_group("image-folder tasks (designsafe)")
     images.add_argument("--image-size", type=int, default=d.image_size,
                         help="images are resized to SIZE x SIZE pixels (default: 224; at least 32)")

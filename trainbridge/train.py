@@ -28,6 +28,7 @@ from .fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from .launch import detect_launch, report_error
 from .launch.rendezvous import finalize_mpi
 from .launch.spawn import spawn_workers
+from .malloc_tuning import tune_malloc
 
 
 QUIET_RANK_GRACE_SECONDS = 10.0
@@ -53,9 +54,12 @@ def run_worker(cfg: TrainConfig) -> int:
     backend, finished = None, False
     try:
         cfg.validate()
-        set_threads(cfg.threads, env.local_size)
+        threads = set_threads(cfg.threads, env.local_size)
+        # Before the data and the model exist, so that every buffer comes from the tuned heap.
+        tuned, why = tune_malloc(cfg.malloc_tuning, os.environ)
         backend = create_backend(cfg.backend, env, dist_backend=cfg.dist_backend, timeout=cfg.timeout)
         backend.init()
+        backend.print(f"[trainbridge] {threads} threads per rank; malloc {'tuned' if tuned else 'left as is'}: {why}")
         train(cfg, backend)
         finished = True
         return 0

@@ -59,7 +59,7 @@ def run_worker(cfg: TrainConfig) -> int:
         tuned, why = tune_malloc(cfg.malloc_tuning, os.environ)
         backend = create_backend(cfg.backend, env, dist_backend=cfg.dist_backend, timeout=cfg.timeout)
         backend.init()
-        backend.print(f"[trainbridge] {threads} threads per rank; malloc {'tuned' if tuned else 'left as is'}: {why}")
+        backend.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
         train(cfg, backend)
         finished = True
         return 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
+from trainbridge.train_step import cpu_bf16_warning
 
 from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
                       torchrun)
@@ -137,6 +138,18 @@ def test_compressed_training_stays_close_to_fp32(compression, fp32_two_ranks, tm
               timeout=180))
     diff = max_abs_diff(load_final(tmp_path)["model"], fp32_two_ranks["model"])
     assert 0 < diff < 1e-2, f"--compression {compression}: max abs weight difference {diff:.3g} vs fp32"
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, warned", [(False, False, True), (True, False, False), (False, True, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, avx512_bf16, amx, warned):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    warning = cpu_bf16_warning("bf16", torch.device("cpu"))
+    assert (warning is not None) == warned
+    if warned:
+        assert "--amp off" in warning
+    assert cpu_bf16_warning("off", torch.device("cpu")) is None
+    assert cpu_bf16_warning("bf16", torch.device("cuda")) is None
 
 
 # ----- --channels-last -------------------------------------------------------

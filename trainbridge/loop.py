@@ -32,7 +32,7 @@ from .rank_agreement import learning_rates_per_rank
 from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .tasks import Task, create_task
 from .train_state import Progress, TrainState, rng_state, set_rng_state
-from .train_step import TrainStep, check_amp, make_scaler, memory_format
+from .train_step import TrainStep, check_amp, cpu_bf16_warning, make_scaler, memory_format
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
@@ -133,6 +133,9 @@ def train(cfg: TrainConfig, backend: Backend) -> Dict[str, float]:
                   f"launcher={backend.env.launcher} device={backend.device}")
 
     check_amp(cfg.amp, backend.device)
+    warning = cpu_bf16_warning(cfg.amp, backend.device)
+    if warning:
+        backend.print(warning)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     layout = memory_format(cfg.channels_last, backend.device)
     model = task.build_model(cfg).to(backend.device, memory_format=layout)

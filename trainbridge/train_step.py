@@ -28,6 +28,17 @@ def check_amp(amp: str, device: torch.device) -> None:
         raise UserError("--amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use --amp fp16 here")
 
 
+def cpu_bf16_warning(amp: str, device: torch.device) -> Optional[str]:
+    """bf16 autocast on a CPU without AVX512-BF16 or AMX converts to and from fp32 around its kernels: allowed, but said."""
+    if amp != "bf16" or device.type != "cpu":
+        return None
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return (f"[trainbridge] warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 "
+            f"instructions (AVX512-BF16 or AMX), so --amp bf16 is usually slower than fp32 here, not faster; "
+            f"use --amp off")
+
+
 def make_scaler(amp: str, device: torch.device) -> Optional[torch.amp.GradScaler]:
     """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
     return torch.amp.GradScaler(device.type) if amp == "fp16" else None

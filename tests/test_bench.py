@@ -8,9 +8,13 @@ from pathlib import Path
 
 from conftest import PYTHON, check, run
 
-from trainbridge.bench.configs import BenchConfig
+from trainbridge import train_step
+from trainbridge.bench import cli as bench_cli
+from trainbridge.bench.configs import BenchConfig, build_matrix, skip_reason
 from trainbridge.bench.runner import run_once
 from trainbridge.bench.targets import TARGETS, evaluate
+from trainbridge.bench.workloads import WORKLOADS
+from trainbridge.train_step import cpu_has_bf16
 
 CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "torch_gloo_no_shm",
            "torch_gloo_bf16",
@@ -27,7 +31,12 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     assert list(report["workloads"]) == ["mnist-convnet"]
     workload = report["workloads"]["mnist-convnet"]
     assert list(workload["configs"]) == CONFIGS
+    # The bf16 reference row runs only where the CPU computes in bf16 (skip_reason; the test below fakes the other case).
+    ran = [key for key in CONFIGS if key != "torch_gloo_bf16" or cpu_has_bf16()]
     for key, config in workload["configs"].items():
+        if key not in ran:
+            assert config["status"] == "skipped" and "no bfloat16 instructions" in config["skip_reason"], key
+            continue
         assert config["status"] == "ok", (key, config["errors"])
         assert config["samples_per_second"] > 0, key
         assert 0 < config["step_time_median"] <= config["step_time_p90"], key
@@ -35,7 +44,7 @@ def test_quick_bench_reports_every_configuration(tmp_path):
         assert len(config["peak_rss_mb_per_rank"]) == config["nproc"], key
         assert all(mb > 0 for mb in config["peak_rss_mb_per_rank"]), key
     assert [t["id"] for t in workload["targets"]] == [t.id for t in TARGETS]
-    assert all(t["ratio"] > 0 for t in workload["targets"])
+    assert all(t["ratio"] > 0 for t in workload["targets"] if t["config"] in ran)
     assert all(t["met"] in (True, False) for t in workload["targets"] if t["id"].startswith("T"))
     assert all(t["met"] is None for t in workload["targets"] if t["id"].startswith("R"))
     table = (out / "bench.md").read_text()
@@ -63,6 +72,27 @@ def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
         assert config["status"] == "ok" and config["samples_per_second"] > 0, (key, config["errors"])
     t1 = next(t for t in workload["targets"] if t["id"] == "T1")
     assert t1["ratio"] > 0
+
+
+def test_the_bf16_reference_row_is_skipped_with_its_reason_on_a_cpu_without_bf16(tmp_path, monkeypatch, capsys):
+    """Without bf16 instructions the --amp bf16 row would run at a fraction of fp32 (or time out): skipped, said,
+    and the bench still exits 0; asked for by name with --only, it runs."""
+    matrix = build_matrix(WORKLOADS["mnist-convnet"], 2, quick=True, cores=2)
+    monkeypatch.setattr(train_step, "cpu_has_bf16", lambda: False)
+    assert [c.key for c in matrix if skip_reason(c)] == ["torch_gloo_bf16"]
+    assert bench_cli.skipped_rows(matrix, only=["torch_gloo_bf16"]) == {}
+    assert "--only torch_gloo_bf16" in skip_reason(next(c for c in matrix if c.key == "torch_gloo_bf16"))
+    monkeypatch.setattr(bench_cli, "build_matrix", lambda *args: [c for c in matrix
+                                                                  if c.key in ("local_1_thread", "torch_gloo_bf16")])
+    out = tmp_path / "bench"
+    assert bench_cli.main(["--quick", "--out", str(out)]) == 0
+    assert "[bench] skipping torch_gloo_bf16: this CPU has no bfloat16 instructions" in capsys.readouterr().out
+    configs = json.loads((out / "bench.json").read_text())["workloads"]["mnist-convnet"]["configs"]
+    assert configs["local_1_thread"]["status"] == "ok"
+    assert configs["torch_gloo_bf16"]["status"] == "skipped" and configs["torch_gloo_bf16"]["runs"] == []
+    assert "**torch_gloo_bf16 skipped**: this CPU has no bfloat16 instructions" in (out / "bench.md").read_text()
+    monkeypatch.setattr(train_step, "cpu_has_bf16", lambda: True)
+    assert skip_reason(next(c for c in matrix if c.key == "torch_gloo_bf16")) is None
 
 
 def python_config(key: str, code: str) -> BenchConfig:

@@ -28,11 +28,14 @@ def check_amp(amp: str, device: torch.device) -> None:
         raise UserError("--amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use --amp fp16 here")
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def cpu_bf16_warning(amp: str, device: torch.device) -> Optional[str]:
     """bf16 autocast on a CPU without AVX512-BF16 or AMX converts to and from fp32 around its kernels: allowed, but said."""
-    if amp != "bf16" or device.type != "cpu":
-        return None
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+    if amp != "bf16" or device.type != "cpu" or cpu_has_bf16():
         return None
     return (f"[trainbridge] warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 "
             f"instructions (AVX512-BF16 or AMX), so --amp bf16 is usually slower than fp32 here, not faster; "

@@ -61,9 +61,11 @@ def markdown(result: Dict[str, Any]) -> str:
                 f"{w['steps']} optimizer steps per process, the first {w['warmup_steps']} (and each epoch's "
                 f"first) left out of the timing; batch {w['batch_size']} per process.", "",
                 *config_table(w["configs"]), "", "### Targets", "", *target_table(w["targets"]), ""]
-        failed = {k: c["errors"] for k, c in w["configs"].items() if c["status"] != "ok"}
-        for key, errors in failed.items():
-            out += [f"**{key} failed**:", "", "```", *(e.strip()[-800:] for e in errors), "```", ""]
+        for key, c in w["configs"].items():
+            if c["status"] == "skipped":
+                out += [f"**{key} skipped**: {c['skip_reason']}.", ""]
+            elif c["status"] != "ok":
+                out += [f"**{key} failed**:", "", "```", *(e.strip()[-800:] for e in c["errors"]), "```", ""]
     return "\n".join(out)
 
 
@@ -96,8 +98,8 @@ def write_png(result: Dict[str, Any], path: Path) -> None:
                 ax.bar(x, rate, width=0.8, color=colours[c["kind"]], yerr=err, capsize=3,
                        hatch="" if c["kind"] == "trainbridge" else "//", edgecolor="black", linewidth=0.5,
                        label=c["kind"])
-                ax.text(x, rate, "FAILED" if c["status"] != "ok" else f"{rate:,.0f}", ha="center", va="bottom",
-                        fontsize=8)
+                ax.text(x, rate, c["status"].upper() if c["status"] != "ok" else f"{rate:,.0f}", ha="center",
+                        va="bottom", fontsize=8)
                 ticks.append(x)
                 ticklabels.append(textwrap.fill(c["label"], width=15, break_long_words=False))
                 x += 1.0

@@ -214,15 +214,16 @@ def median_or_none(values: List[Optional[float]]) -> Optional[float]:
     return statistics.median(present) if present else None
 
 
-def aggregate(config: BenchConfig, runs: List[RunResult]) -> Dict[str, Any]:
-    """Medians over the successful runs of one configuration; failed if any run failed."""
+def aggregate(config: BenchConfig, runs: List[RunResult], skipped: Optional[str] = None) -> Dict[str, Any]:
+    """Medians over the successful runs of one configuration; failed if any run failed; ``skipped``: not run, why."""
     ok = [r for r in runs if r.status == "ok"]
     rates = [r.samples_per_second for r in ok]
     rss = [r.peak_rss_mb_per_rank for r in ok if r.peak_rss_mb_per_rank]
     return {
         "label": config.label, "kind": config.kind, "group": config.group, "nproc": config.nproc,
         "threads_per_rank": config.threads, "cores_used": config.cores_used, "command": config.command("DIR"),
-        "status": "ok" if ok and len(ok) == len(runs) else "failed",
+        "status": "skipped" if skipped else "ok" if ok and len(ok) == len(runs) else "failed",
+        "skip_reason": skipped,
         "errors": [f"repeat {r.repeat + 1}: {r.error}" for r in runs if r.status != "ok"],
         "samples_per_second": median_or_none(rates),
         "samples_per_second_min": min(rates) if rates else None,

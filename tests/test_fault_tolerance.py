@@ -5,6 +5,7 @@ Interrupted and resumed runs must end with bitwise the same weights (same
 backend and world size), or within 1e-5 across backends.
 """
 import os
+import re
 import signal
 import time
 
@@ -124,6 +125,23 @@ def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_referen
     stopped_at = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
     assert 63 <= stopped_at < STEPS
     check(run(torchrun(2, COMMON + ["--output-dir", str(tmp_path)]), timeout=240))
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
+
+
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shm, tmp_path, torch_reference):
+    # The stop flag travels through the shared-memory mailbox (auto, one CPU host) or
+    # gloo (off); either way the rank that got no signal must stop at the same step.
+    args = COMMON + ["--shm-allreduce", shm, "--output-dir", str(tmp_path)]
+    job = Job(torchrun(2, args), tmp_path / "log")
+    job.wait_for_output("epoch 1 step 63", timeout=120)
+    job.rank_process(1).send_signal(signal.SIGTERM)  # only rank 1: a node-local eviction notice
+    assert job.wait(timeout=60) != 0
+    stops = re.findall(r"stopped by SIGTERM after step (\d+)", job.output())
+    assert stops and len(set(stops)) == 1, job.output()[-3000:]
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == int(stops[0])
+    check(run(torchrun(2, args), timeout=240))
     final = load_final(tmp_path)
     assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
 

@@ -46,11 +46,24 @@ def test_every_rank_ends_with_the_same_average(world_size):
         assert report["chunks"] > 200, report  # 256-byte slots: both slot sets reused many times
 
 
-def test_a_peer_that_exits_is_named_within_a_second():
-    out = probe("exit")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_small_asynchronous_allreduces_agree_on_every_rank(world_size):
+    out = probe("small", str(world_size))
+    assert out["exitcodes"] == [0] * world_size, out
+    for rank in range(world_size):
+        report = json.loads(out["results"][str(rank)])
+        assert report["identical_on_all_ranks"], report
+        assert report["count"] == 300 and report["dtypes"] == ["torch.float32"], report
+        assert report["max_error"] < 1e-5, report  # vs the float64 sum / mean / max of the inputs
+
+
+@pytest.mark.parametrize("scenario,what", [("exit", "the shared-memory gradient exchange"),
+                                           ("small-exit", "a shared-memory allreduce")])
+def test_a_peer_that_exits_is_named_within_a_second(scenario, what):
+    out = probe(scenario)
     report = json.loads(out["results"]["0"])
     assert out["exitcodes"][:2] == [1, 3], out
-    assert "rank(s) 1 exited during the shared-memory gradient exchange" in report["error"], report
+    assert f"rank(s) 1 exited during {what}" in report["error"], report
     assert report["seconds"] < 1.0, report
 
 

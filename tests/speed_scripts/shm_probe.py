@@ -1,6 +1,7 @@
 """Drives trainbridge's shared-memory gradient exchange in real processes (tests/test_shm_allreduce.py).
 
     python tests/speed_scripts/shm_probe.py average N    # N ranks average several tensors in tiny chunks
+    python tests/speed_scripts/shm_probe.py small N      # N ranks: asynchronous small allreduces between averages
     python tests/speed_scripts/shm_probe.py exit         # rank 1 exits before the exchange
     python tests/speed_scripts/shm_probe.py stall        # rank 1 stays alive but never arrives
 
@@ -66,14 +67,44 @@ def rank_main(rank, world_size, tmp, scenario):
         report(json.dumps({"max_error_fp32": max(errors[:-1]), "max_error_bf16": errors[-1],
                                        "identical_on_all_ranks": same, "chunks": exchange.seq}))
         os._exit(0)
+    if scenario == "small":
+        # Many asynchronous sum/mean/max allreduces, each waited one "step" later
+        # (as the loop's stop flag), interleaved with gradient averages, rank-skewed
+        # in time so that both mailbox sets are reused while a peer is behind.
+        gen = torch.Generator().manual_seed(100 + rank)
+        sent, got, pending = [], [], None
+        for step in range(300):
+            op = ("sum", "mean", "max")[step % 3]
+            value = torch.randn(1 + step % 8, generator=gen)
+            if pending is not None:
+                got.append(pending())
+            pending = exchange.allreduce_small_async(value, op)
+            sent.append((op, value))
+            exchange.average_(torch.randn(100, generator=gen))
+            if step % 50 == rank:
+                time.sleep(0.01)
+        got.append(pending())
+        everyone = allgather(sent)
+        errors = []
+        for i, (op, _) in enumerate(sent):
+            values = torch.stack([theirs[i][1].double() for theirs in everyone])
+            expected = values.amax(0) if op == "max" else values.sum(0) / (world_size if op == "mean" else 1)
+            errors.append(float((got[i].double() - expected).abs().max()))
+        same = all(all(torch.equal(a, b) for a, b in zip(got, other)) for other in allgather(got))
+        report(json.dumps({"max_error": max(errors), "identical_on_all_ranks": same, "count": len(got),
+                           "dtypes": sorted({str(g.dtype) for g in got})}))
+        os._exit(0)
     if rank == 1:
-        if scenario == "exit":
+        if scenario in ("exit", "small-exit"):
             os._exit(3)
         time.sleep(30)  # "stall": alive, never arrives
         os._exit(0)
     started = time.monotonic()
     try:
-        exchange.average_(torch.ones(1000))
+        if scenario.startswith("small"):
+            exchange.allreduce_small_async(torch.ones(1), "max")()
+        else:
+            exchange.average_(torch.ones(1000))
         report("no error")
         os._exit(0)
     except PeerGone as exc:
@@ -89,7 +120,7 @@ def main():
         procs = [ctx.Process(target=rank_main, args=(r, world_size, tmp, scenario)) for r in range(world_size)]
         for p in procs:
             p.start()
-        expected = range(world_size) if scenario == "average" else [0]
+        expected = range(world_size) if scenario in ("average", "small") else [0]
         deadline = time.monotonic() + 60
         while not all(os.path.exists(os.path.join(tmp, f"rank{r}.txt")) for r in expected):
             if time.monotonic() > deadline:

@@ -10,7 +10,9 @@ convnet, batch 128, 2 ranks): see benchmarks/RESULTS.md.
 Layout of the job's one /dev/shm file (unlinked once every rank has mapped it,
 so that no crash can leave it behind):
 
-    [header: token, pid and progress counter per rank][2 sets x world_size x chunk bytes]
+    [header: token, pid and progress counter per rank]
+    [mailboxes: 2 sets x world_size x (sequence number, MAILBOX_VALUES float64)]
+    [slots: 2 sets x world_size x chunk bytes]
 
 Each DDP bucket is averaged chunk by chunk. For call ``seq`` (slot set ``seq % 2``):
 
@@ -24,6 +26,15 @@ Each DDP bucket is averaged chunk by chunk. For call ``seq`` (slot set ``seq % 2
 Two slot sets make one wait per chunk enough: a rank writes set ``seq % 2`` again
 only at ``seq + 2``, after seeing every rank publish ``seq + 1``, which each rank
 does only after it finished reading the slots of ``seq``.
+
+Small tensors (the loop's per-step stop flag) are allreduced asynchronously
+through the mailboxes, with a sequence of their own: :meth:`allreduce_small_async`
+writes this rank's values and publishes its number without waiting; the
+returned ``wait`` reduces every rank's values in rank order once all are
+published. Each rank waits for one such allreduce before it starts the next, so
+the same two-set argument holds. Why: on a CPU host each gloo operation wakes
+gloo's helper threads on cores that are busy training (about 3 % of an MNIST
+step on 2 cores, benchmarks/RESULTS.md).
 
 A waiting rank spins (yielding the core), then sleeps; it fails with an error
 naming the missing ranks when one of them exits (its pid is gone) or when
@@ -43,6 +54,7 @@ from typing import Callable, List, Optional
 import torch
 
 HEADER_BYTES_PER_RANK = 24  # token (int64, rank 0's only), pid (int64), progress (int64)
+MAILBOX_VALUES = 8  # float64 values per rank in a small-tensor allreduce
 SHM_BUDGET_BYTES = 32 << 20  # all slots together stay under this (Docker's default /dev/shm is 64 MiB)
 MAX_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 256 << 10
@@ -77,17 +89,27 @@ class ShmAllreduce:
         header = region[:HEADER_BYTES_PER_RANK * world_size].view(torch.int64).view(world_size, 3)
         self.tokens, self.pids, self.progress = header[:, 0], header[:, 1], header[:, 2]
         start = self.header_bytes(world_size)
+        mail = region[start:start + self.mailbox_bytes(world_size)][:2 * world_size * 8 * (1 + MAILBOX_VALUES)]
+        self.mail_seq = mail.view(torch.int64).view(2, world_size, 1 + MAILBOX_VALUES)[:, :, 0]
+        self.mail_values = mail.view(torch.float64).view(2, world_size, 1 + MAILBOX_VALUES)[:, :, 1:]
+        start += self.mailbox_bytes(world_size)
         self.slots = region[start:start + 2 * world_size * chunk].view(2, world_size, chunk)
         self.seq = 0
+        self.small_seq = 0
+        self.small_pending: Optional[Callable[[], torch.Tensor]] = None
 
     # ----- setup ------------------------------------------------------------
     @staticmethod
     def header_bytes(world_size: int) -> int:
         return -(-HEADER_BYTES_PER_RANK * world_size // 4096) * 4096  # slots start page-aligned
 
+    @staticmethod
+    def mailbox_bytes(world_size: int) -> int:
+        return -(-2 * world_size * 8 * (1 + MAILBOX_VALUES) // 4096) * 4096  # slots stay page-aligned
+
     @classmethod
     def region_bytes(cls, world_size: int, chunk: int) -> int:
-        return cls.header_bytes(world_size) + 2 * world_size * chunk
+        return cls.header_bytes(world_size) + cls.mailbox_bytes(world_size) + 2 * world_size * chunk
 
     @classmethod
     def open(cls, rank: int, world_size: int, chunk: int, timeout: float,
@@ -150,36 +172,61 @@ class ShmAllreduce:
         slots = self.slots[self.seq % 2, :, :nbytes].view(part.dtype)  # (world_size, numel)
         torch.div(part, self.world_size, out=slots[self.rank])
         self.progress[self.rank] = self.seq  # publish only after the slot is written (x86 store order)
-        self._wait_for_all(self.seq)
+        self._wait_for_all(self.progress, self.seq, "the shared-memory gradient exchange")
         torch.add(slots[0], slots[1], out=part)
         for other in range(2, self.world_size):
             part.add_(slots[other])
 
-    def _wait_for_all(self, seq: int) -> None:
-        if int(self.progress.min()) >= seq:
+    def allreduce_small_async(self, tensor: torch.Tensor, op: str) -> Callable[[], torch.Tensor]:
+        """Start a ``sum``, ``mean`` or ``max`` allreduce of a CPU tensor of at most MAILBOX_VALUES
+        elements; the returned function waits for it and gives the result (the same bits on every rank)."""
+        assert tensor.numel() <= MAILBOX_VALUES and op in ("sum", "mean", "max"), (tensor.shape, op)
+        if self.small_pending is not None:
+            self.small_pending()  # the two mailbox sets are safe only if each allreduce ends before the next
+        self.small_seq += 1
+        seq, n = self.small_seq, tensor.numel()
+        boxes, numbers = self.mail_values[seq % 2], self.mail_seq[seq % 2]
+        boxes[self.rank, :n] = tensor.detach().reshape(-1).double()
+        numbers[self.rank] = seq  # publish only after the values are written (x86 store order)
+        result: List[torch.Tensor] = []
+
+        def wait() -> torch.Tensor:
+            if not result:
+                self._wait_for_all(numbers, seq, "a shared-memory allreduce")
+                values = boxes[:, :n].clone()  # every rank reduces the same values in the same order
+                total = values.amax(0) if op == "max" else values.sum(0)
+                result.append((total / self.world_size if op == "mean" else total).to(tensor.dtype).view_as(tensor))
+                self.small_pending = None
+            return result[0]
+        self.small_pending = wait
+        return wait
+
+    def _wait_for_all(self, counters: torch.Tensor, seq: int, what: str) -> None:
+        """Return once every rank's ``counters`` entry is at least ``seq``; raise PeerGone instead of hanging."""
+        if int(counters.min()) >= seq:
             return
         started = time.monotonic()
         next_check, pause = started + LIVENESS_EVERY, 0.0
-        while int(self.progress.min()) < seq:
+        while int(counters.min()) < seq:
             now = time.monotonic()
             if now - started < SPIN_SECONDS:
                 os.sched_yield()
                 continue
             if now >= next_check:
-                self._fail_if_peers_gone(seq, now - started)
+                self._fail_if_peers_gone(counters, seq, now - started, what)
                 next_check = now + LIVENESS_EVERY
             pause = min(max(pause * 2, 50e-6), 1e-3)
             time.sleep(pause)
 
-    def _fail_if_peers_gone(self, seq: int, waited: float) -> None:
-        missing = [r for r in range(self.world_size) if int(self.progress[r]) < seq]
+    def _fail_if_peers_gone(self, counters: torch.Tensor, seq: int, waited: float, what: str) -> None:
+        missing = [r for r in range(self.world_size) if int(counters[r]) < seq]
         gone = [r for r in missing if not _alive(int(self.pids[r]))]
         if gone:
-            raise PeerGone(f"rank {self.rank}: rank(s) {_names(gone)} exited during the shared-memory gradient "
-                           f"exchange (connection closed by peer); see their log")
+            raise PeerGone(f"rank {self.rank}: rank(s) {_names(gone)} exited during {what} "
+                           f"(connection closed by peer); see their log")
         if waited > self.timeout:
-            raise PeerGone(f"rank {self.rank}: rank(s) {_names(missing)} did not reach the shared-memory gradient "
-                           f"exchange: timed out after {self.timeout:.0f}s")
+            raise PeerGone(f"rank {self.rank}: rank(s) {_names(missing)} did not reach {what}: "
+                           f"timed out after {self.timeout:.0f}s")
 
 
 def _map(path: str, size: int) -> torch.Tensor:

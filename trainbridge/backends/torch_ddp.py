@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import UserError
 from ..launch import rendezvous_address
 from .base import REDUCE_OPS, Backend, first_line
-from .shm_allreduce import ShmAllreduce, chunk_bytes
+from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
 
 
@@ -53,6 +53,7 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.Redu
 
 class TorchBackend(Backend):
     name = "torch"
+    exchange: "ShmAllreduce | None" = None  # set by wrap() when the ranks share one CPU host
 
     def init(self) -> None:
         if self.dist_backend not in ("auto", "nccl", "gloo"):
@@ -137,7 +138,7 @@ class TorchBackend(Backend):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                       forward_sync_buffers=False)
-        exchange = self._shared_memory_exchange(model, shm_allreduce, compression)
+        exchange = self.exchange = self._shared_memory_exchange(model, shm_allreduce, compression)
         if compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
@@ -192,6 +193,10 @@ class TorchBackend(Backend):
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
         assert op in REDUCE_OPS, op
+        if self.exchange is not None and tensor.numel() <= MAILBOX_VALUES and tensor.device.type == "cpu":
+            # The per-step stop flag of ranks on one CPU host: through shared memory,
+            # without waking gloo's helper threads on cores that are busy training.
+            return self.exchange.allreduce_small_async(tensor, op)
         out = tensor.detach().to(self.device, copy=True)
         work = dist.all_reduce(out, op=_REDUCE[op], async_op=True)
 

@@ -3,6 +3,7 @@
 Speed is never asserted here: the ratios live in benchmarks/RESULTS.md.
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -103,6 +104,23 @@ def test_a_failing_run_is_reported_with_its_error(tmp_path):
     config = python_config("fails", "import sys; print('boom', file=sys.stderr); sys.exit(3)")
     result = run_once(config, 0, tmp_path / "fails", timeout=60)
     assert result.status == "failed" and "exit 3" in result.error and "boom" in result.error
+
+
+def test_a_pinned_run_and_its_children_see_only_that_many_cores(tmp_path):
+    # The unit row is pinned to one core: its DataLoader workers (children) must share it.
+    code = ("import os, subprocess, sys; "
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(len(os.sched_getaffinity(0)))'], "
+            "capture_output=True, text=True).stdout.strip(); "
+            "open(sys.argv[-1] + '/cores.txt', 'w').write(f'{len(os.sched_getaffinity(0))} {child}')")
+    before = os.sched_getaffinity(0)
+    config = BenchConfig("pinned", "pinned", "baseline", "pinned", 1, 1, (sys.executable, "-c", code), pinned_cores=1)
+    run_once(config, 0, tmp_path / "pinned", timeout=60)
+    assert (tmp_path / "pinned" / "cores.txt").read_text() == "1 1"
+    assert os.sched_getaffinity(0) == before  # the bench itself keeps every core
+    if len(before) > 1:
+        unpinned = BenchConfig("free", "free", "baseline", "free", 1, 1, (sys.executable, "-c", code))
+        run_once(unpinned, 0, tmp_path / "free", timeout=60)
+        assert (tmp_path / "free" / "cores.txt").read_text() == f"{len(before)} {len(before)}"
 
 
 def test_a_run_without_metrics_is_failed(tmp_path):

@@ -16,6 +16,7 @@ failed run is failed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -25,7 +26,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import psutil
 
@@ -121,13 +122,27 @@ def tail(path: Path, chars: int = 1500) -> str:
         return ""
 
 
+@contextlib.contextmanager
+def cpu_affinity(cores: int) -> Iterator[None]:
+    """Processes started inside inherit only the first ``cores`` of this process's CPUs (0: all of them)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, allowed[:cores])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) -> RunResult:
     """One run of ``config`` writing into ``run_dir``; never takes longer than ``timeout`` seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh folder: nothing to resume from, no stale metrics
     run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
     busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
-    with open(stdout, "w") as out, open(stderr, "w") as err:
+    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.pinned_cores):
         proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 env=run_environment(config.threads), cwd=str(REPO_ROOT), start_new_session=True)
         try:

@@ -33,7 +33,7 @@ writes this rank's values and publishes its number without waiting; the
 returned ``wait`` reduces every rank's values in rank order once all are
 published. Each rank waits for one such allreduce before it starts the next, so
 the same two-set argument holds. Why: on a CPU host each gloo operation wakes
-gloo's helper threads on cores that are busy training (about 3 % of an MNIST
+gloo's helper threads on cores that are busy training (1-6 % of an MNIST
 step on 2 cores, benchmarks/RESULTS.md).
 
 A waiting rank spins (yielding the core), then sleeps; it fails with an error

@@ -113,7 +113,7 @@ def test_a_pinned_run_and_its_children_see_only_that_many_cores(tmp_path):
             "capture_output=True, text=True).stdout.strip(); "
             "open(sys.argv[-1] + '/cores.txt', 'w').write(f'{len(os.sched_getaffinity(0))} {child}')")
     before = os.sched_getaffinity(0)
-    config = BenchConfig("pinned", "pinned", "baseline", "pinned", 1, 1, (sys.executable, "-c", code), pinned_cores=1)
+    config = BenchConfig("pinned", "pinned", "baseline", "pinned", 1, 1, (sys.executable, "-c", code), pinned=True)
     run_once(config, 0, tmp_path / "pinned", timeout=60)
     assert (tmp_path / "pinned" / "cores.txt").read_text() == "1 1"
     assert os.sched_getaffinity(0) == before  # the bench itself keeps every core

@@ -89,9 +89,10 @@ class ShmAllreduce:
         header = region[:HEADER_BYTES_PER_RANK * world_size].view(torch.int64).view(world_size, 3)
         self.tokens, self.pids, self.progress = header[:, 0], header[:, 1], header[:, 2]
         start = self.header_bytes(world_size)
-        mail = region[start:start + self.mailbox_bytes(world_size)][:2 * world_size * 8 * (1 + MAILBOX_VALUES)]
-        self.mail_seq = mail.view(torch.int64).view(2, world_size, 1 + MAILBOX_VALUES)[:, :, 0]
-        self.mail_values = mail.view(torch.float64).view(2, world_size, 1 + MAILBOX_VALUES)[:, :, 1:]
+        shape = (2, world_size, 1 + MAILBOX_VALUES)  # per set and rank: sequence number, then the values
+        mail = region[start:start + 8 * shape[0] * shape[1] * shape[2]]
+        self.mail_seq = mail.view(torch.int64).view(shape)[:, :, 0]
+        self.mail_values = mail.view(torch.float64).view(shape)[:, :, 1:]
         start += self.mailbox_bytes(world_size)
         self.slots = region[start:start + 2 * world_size * chunk].view(2, world_size, chunk)
         self.seq = 0
@@ -101,11 +102,11 @@ class ShmAllreduce:
     # ----- setup ------------------------------------------------------------
     @staticmethod
     def header_bytes(world_size: int) -> int:
-        return -(-HEADER_BYTES_PER_RANK * world_size // 4096) * 4096  # slots start page-aligned
+        return _whole_pages(HEADER_BYTES_PER_RANK * world_size)
 
     @staticmethod
     def mailbox_bytes(world_size: int) -> int:
-        return -(-2 * world_size * 8 * (1 + MAILBOX_VALUES) // 4096) * 4096  # slots stay page-aligned
+        return _whole_pages(2 * world_size * 8 * (1 + MAILBOX_VALUES))
 
     @classmethod
     def region_bytes(cls, world_size: int, chunk: int) -> int:
@@ -227,6 +228,11 @@ class ShmAllreduce:
         if waited > self.timeout:
             raise PeerGone(f"rank {self.rank}: rank(s) {_names(missing)} did not reach {what}: "
                            f"timed out after {self.timeout:.0f}s")
+
+
+def _whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to 4 KiB pages, so that the next part of the file starts page-aligned."""
+    return -(-nbytes // 4096) * 4096
 
 
 def _map(path: str, size: int) -> torch.Tensor:

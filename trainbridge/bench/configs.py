@@ -4,7 +4,7 @@ Threads per rank follow one policy for every row, trainbridge and baselines
 alike, and are passed explicitly (``--threads`` and ``OMP_NUM_THREADS``): the
 available cores shared evenly among the processes, at least one. The
 one-thread row is the per-core unit that scaling efficiency is measured against;
-it is also pinned to one core (``pinned_cores``), so that helpers it starts
+it is also pinned to one core (``pinned``), so that helpers it starts
 (DataLoader workers for image-folder workloads) share that core instead of
 running on an idle one: one core's worth of training, as the name says.
 
@@ -39,7 +39,7 @@ class BenchConfig:
     threads: int  # per rank
     argv: Tuple[str, ...]  # the command, less --output-dir
     needs_cpu_bf16: bool = False  # a reference row that only means something where the CPU computes in bf16
-    pinned_cores: int = 0  # >0: the run and everything it starts may use only this many of the available cores
+    pinned: bool = False  # the run and everything it starts may use only cores_used of the available cores
 
     def command(self, output_dir: str) -> List[str]:
         return [*self.argv, "--output-dir", output_dir]
@@ -125,7 +125,7 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
         BenchConfig("bare_loop", "bare loop (no distribution)", "baseline", "1 process, all cores",
                     1, all_cores, (python, *baseline("bare_loop.py", all_cores))),
         BenchConfig("local_1_thread", "trainbridge local, 1 thread on 1 core (unit)", "trainbridge",
-                    "1 process, 1 thread", 1, one, (python, *trainbridge("local", one)), pinned_cores=one),
+                    "1 process, 1 thread", 1, one, (python, *trainbridge("local", one)), pinned=True),
         BenchConfig("torch_gloo", f"trainbridge torch/gloo {n}", "trainbridge", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
         BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",

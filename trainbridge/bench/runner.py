@@ -142,7 +142,7 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
     busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
-    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.pinned_cores):
+    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.cores_used if config.pinned else 0):
         proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 env=run_environment(config.threads), cwd=str(REPO_ROOT), start_new_session=True)
         try:

@@ -10,12 +10,12 @@ from pathlib import Path
 from conftest import PYTHON, check, run
 
 from trainbridge import train_step
-from trainbridge.bench import cli as bench_cli
-from trainbridge.bench.configs import BenchConfig, build_matrix, skip_reason
-from trainbridge.bench.runner import run_once
-from trainbridge.bench.targets import TARGETS, evaluate
-from trainbridge.bench.workloads import WORKLOADS
-from trainbridge.train_step import cpu_has_bf16
+from trainbridge.cli.bench import cli as bench_cli
+from trainbridge.cli.bench.configs import BenchConfig, build_matrix, skip_reason
+from trainbridge.cli.bench.runner import run_once
+from trainbridge.cli.bench.targets import TARGETS, evaluate
+from trainbridge.cli.bench.workloads import WORKLOADS
+from trainbridge.training.step import cpu_has_bf16
 
 CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "torch_gloo_no_shm",
            "torch_gloo_bf16",

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trainbridge.classification_report import confusion_matrix, format_report, precision_recall, save_report, summarise
-from trainbridge.config import parse_config
+from trainbridge.training.evaluation import confusion_matrix, format_report, precision_recall, save_report, summarise
+from trainbridge.training.config import parse_config
 from trainbridge.data.designsafe_sample import CLASSES, IMAGES_PER_CLASS, is_synthetic_sample, make_sample
 from trainbridge.data.designsafe_sample import main as data_main
 from trainbridge.data.imagefolder import build_transforms, check_layout, image_files

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from trainbridge.malloc_tuning import MMAP_THRESHOLD_BYTES, tune_malloc, user_allocator_choice
+from trainbridge.launch.malloc_tuning import MMAP_THRESHOLD_BYTES, tune_malloc, user_allocator_choice
 
 from conftest import PYTHON, check, launcher_env, run, torchrun
 
@@ -21,7 +21,7 @@ SHORT_RUN = ["--model", "plaincnn", "--dataset", "mnist-sample", "--batch-size",
 # untuned the block is mmapped; tuned (32 MiB), it comes from the heap.
 MALLOC_8_MIB = textwrap.dedent("""
     import ctypes, sys
-    from trainbridge.malloc_tuning import tune_malloc
+    from trainbridge.launch.malloc_tuning import tune_malloc
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in
                     ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",

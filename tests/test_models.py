@@ -39,8 +39,8 @@ def test_unknown_model():
 
 
 def test_optimizers_and_scale_lr():
-    from trainbridge.config import TrainConfig
-    from trainbridge.loop import build_optimizer
+    from trainbridge.training.config import TrainConfig
+    from trainbridge.training.loop import build_optimizer
 
     params = list(build_model("mlp").parameters())
     for name, cls in (("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adadelta", torch.optim.Adadelta)):
@@ -52,8 +52,8 @@ def test_optimizers_and_scale_lr():
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_adam_and_sgd_use_fused_kernels_with_the_same_update(name):
-    from trainbridge.config import TrainConfig
-    from trainbridge.loop import build_optimizer
+    from trainbridge.training.config import TrainConfig
+    from trainbridge.training.loop import build_optimizer
 
     torch.manual_seed(0)
     model = build_model("convnet-dropout")
@@ -75,9 +75,9 @@ def test_adam_and_sgd_use_fused_kernels_with_the_same_update(name):
 
 
 def test_a_checkpoint_from_the_looped_kernel_resumes_on_the_fused_one():
-    from trainbridge.config import TrainConfig
-    from trainbridge.loop import build_optimizer
-    from trainbridge.optimizers import load_keeping_kernels
+    from trainbridge.training.config import TrainConfig
+    from trainbridge.training.loop import build_optimizer
+    from trainbridge.training.optimizers import load_keeping_kernels
 
     torch.manual_seed(0)
     model = build_model("mlp")
@@ -107,7 +107,7 @@ def test_a_checkpoint_from_the_looped_kernel_resumes_on_the_fused_one():
 
 
 def test_loading_a_state_with_other_parameter_groups_still_fails_loudly():
-    from trainbridge.optimizers import load_keeping_kernels
+    from trainbridge.training.optimizers import load_keeping_kernels
 
     one = torch.optim.Adam([nn.Parameter(torch.zeros(2))], fused=True)
     two = torch.optim.Adam([{"params": [nn.Parameter(torch.zeros(2))]}, {"params": [nn.Parameter(torch.zeros(3))]}])

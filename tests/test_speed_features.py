@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
-from trainbridge.train_step import cpu_bf16_warning
+from trainbridge.training.step import cpu_bf16_warning
 
 from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
                       torchrun)

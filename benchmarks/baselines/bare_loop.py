@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from torch.utils.data import DataLoader
 
-from trainbridge.bench.configs import baseline_parser
-from trainbridge.bench.measure import StepTimer, rank_performance, write_final
-from trainbridge.bench.workloads import WORKLOADS, in_memory
+from trainbridge.cli.bench.configs import baseline_parser
+from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
+from trainbridge.cli.bench.workloads import WORKLOADS, in_memory
 from trainbridge.data.imagefolder import auto_workers
 from trainbridge.launch import detect_launch
-from trainbridge.optimizers import fused_kernels
+from trainbridge.training.optimizers import fused_kernels
 
 
 def main():

@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainbridge.bench.configs import baseline_parser
-from trainbridge.bench.measure import StepTimer, rank_performance, write_final
-from trainbridge.bench.workloads import WORKLOADS
+from trainbridge.cli.bench.configs import baseline_parser
+from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
+from trainbridge.cli.bench.workloads import WORKLOADS
 
 
 def main():

@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tupl
 
 import torch
 
-from ..checkpoint import atomic_save
+from ..training.checkpoint import atomic_save
 from ..data.sampler import ResumableDistributedSampler
 from ..errors import UserError
 from ..launch import LaunchEnv
@@ -226,9 +226,9 @@ class Backend(abc.ABC):
             print(*args, **kwargs, flush=True)
 
     def save_on_main(self, obj: Any, path: str, keep_previous: "str | None" = None) -> None:
-        """Atomic torch.save on the main rank only (see :func:`trainbridge.checkpoint.atomic_save`).
+        """Atomic torch.save on the main rank only (see :func:`trainbridge.training.checkpoint.atomic_save`).
 
-        Loading is done on every rank with :func:`trainbridge.checkpoint.read_checkpoint`.
+        Loading is done on every rank with :func:`trainbridge.training.checkpoint.read_checkpoint`.
         """
         if self.is_main:
             atomic_save(obj, path, keep_previous=keep_previous)

@@ -1,4 +1,4 @@
-"""Horovod elastic state for the training loop's :class:`~trainbridge.train_state.TrainState`.
+"""Horovod elastic state for the training loop's :class:`~trainbridge.training.state.TrainState`.
 
 Horovod calls ``save`` on every ``commit()``, ``restore`` after a worker failed
 (undoing the steps since the last commit), and ``sync`` after the ring re-formed

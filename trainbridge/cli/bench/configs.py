@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..errors import UserError
+from ...errors import UserError
 from .workloads import WORKLOADS, Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def skip_reason(config: BenchConfig) -> Optional[str]:
     kernel: 0.21x fp32 on MNIST, and past the 300 s limit on ResNet34 (an AVX2 EPYC).
     Such a run measures nothing the reference row is for and costs the bench minutes.
     """
-    from ..train_step import cpu_has_bf16  # imports torch: only when the matrix is run
+    from ...training.step import cpu_has_bf16  # imports torch: only when the matrix is run
 
     if config.needs_cpu_bf16 and not cpu_has_bf16():
         return "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX); run it with --only " + config.key

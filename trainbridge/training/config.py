@@ -9,11 +9,11 @@ import dataclasses
 import os
 from typing import List, Optional
 
-from .backends import BACKENDS
-from .backends.base import COMPRESSIONS
-from .errors import UserError
-from .models import CLASSIFIERS, MODELS
-from .tasks import TASKS, create_task
+from ..backends import BACKENDS
+from ..backends.base import COMPRESSIONS
+from ..errors import UserError
+from ..models import CLASSIFIERS, MODELS
+from ..tasks import TASKS, create_task
 
 DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
 DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge", "data")

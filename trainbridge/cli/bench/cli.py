@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..errors import UserError
+from ...errors import UserError
 from . import report
 from .configs import BenchConfig, available_cores, build_matrix, skip_reason
 from .runner import aggregate, run_matrix

@@ -1,0 +1,1 @@
+"""The training engine behind ``trainbridge train``, built on the public API."""

@@ -24,10 +24,6 @@ REDUCE_OPS = ("sum", "mean", "max")
 COMPRESSIONS = ("none", "fp16", "bf16")  # --compression: the dtype gradients travel in
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message (collective errors can run to pages)."""
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 T = TypeVar("T")
 
 

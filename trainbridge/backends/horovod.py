@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
 import torch
 
 from ..errors import UserError
-from .base import REDUCE_OPS, Backend, first_line
+from ..errors import first_line
+from .base import REDUCE_OPS, Backend
 
 T = TypeVar("T")
 

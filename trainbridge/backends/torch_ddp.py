@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError
 from ..launch import rendezvous_address
-from .base import REDUCE_OPS, Backend, first_line
+from ..errors import first_line
+from .base import REDUCE_OPS, Backend
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
 

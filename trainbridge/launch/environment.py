@@ -8,6 +8,7 @@ it never initialises a collective library.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Mapping, Optional
 
 
@@ -37,3 +38,8 @@ def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = N
         if value not in (None, ""):
             return int(value)
     return default
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: what taskset, SLURM and cgroups allow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

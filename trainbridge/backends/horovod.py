@@ -12,8 +12,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
 
 import torch
 
-from ..errors import UserError
-from ..errors import first_line
+from ..errors import UserError, first_line
 from .base import REDUCE_OPS, Backend
 
 T = TypeVar("T")

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..launch import rendezvous_address
-from ..errors import first_line
 from .base import REDUCE_OPS, Backend
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 

@@ -21,6 +21,7 @@ import importlib
 from typing import Callable, Dict, Optional
 
 from ..errors import UserError
+from ..plugins import resolve
 from ..launch import LaunchEnv
 from .base import Backend
 
@@ -54,12 +55,10 @@ def choose_backend(requested: str, env: LaunchEnv, horovod_available: Optional[C
     return AUTO_BY_LAUNCHER[env.launcher]
 
 
-def create_backend(requested: str, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0) -> Backend:
-    """Construct (not yet init) the backend chosen for ``requested`` under ``env``."""
-    name = choose_backend(requested, env)
-    module_name, class_name = BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(env, dist_backend=dist_backend, timeout=timeout)
+def create_backend(requested: str, env: LaunchEnv, **options) -> Backend:
+    """Construct (not yet init) the backend chosen for ``requested`` under ``env``; ``options`` go to
+    :class:`~trainbridge.backends.base.Backend` (dist_backend, timeout, accumulate, compression, shm_allreduce)."""
+    return resolve(choose_backend(requested, env), BACKENDS, "backend")(env, **options)
 
 
 __all__ = ["Backend", "BACKENDS", "choose_backend", "create_backend"]

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, List, Tuple, TypeVar
 
 import torch
 
-from ..training.checkpoint import atomic_save
-from ..data.sampler import ResumableDistributedSampler
 from ..errors import UserError
 from ..launch import LaunchEnv
 
@@ -33,12 +31,27 @@ class Backend(abc.ABC):
     name: str = "base"
 
     def __init__(self, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0,
+                 accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto",
                  select_device: bool = True) -> None:
-        """``select_device=False``: stay on the CPU and leave the current CUDA device alone,
-        for callers whose user picks the GPU (``trainbridge.hvd``, like Horovod)."""
+        """Options of the gradient exchange are fixed here, where the backend is built:
+
+        ``accumulate``: backward passes per optimizer step (the early ones inside :meth:`no_sync`).
+        ``compression``: one of COMPRESSIONS, the dtype gradients are averaged in.
+        ``shm_allreduce``: auto, on or off: average through shared memory when every
+        rank is on this CPU host, where the backend can.
+        ``select_device=False``: stay on the CPU and leave the current CUDA device alone,
+        for callers whose user picks the GPU (``trainbridge.hvd``, like Horovod).
+        """
+        if compression not in COMPRESSIONS:
+            raise UserError(f"compression {compression!r} is not supported; use one of {', '.join(COMPRESSIONS)}")
+        if shm_allreduce not in ("auto", "on", "off"):
+            raise UserError(f"shm_allreduce {shm_allreduce!r} is not supported; use auto, on or off")
+        if accumulate < 1:
+            raise UserError(f"accumulate must be at least 1 (got {accumulate})")
         self.env = env
         self.dist_backend = dist_backend
         self.timeout = timeout
+        self.accumulate, self.compression, self.shm_allreduce = accumulate, compression, shm_allreduce
         self.check_launch()
         self.device = self._pick_device() if select_device else torch.device("cpu")
 
@@ -107,15 +120,10 @@ class Backend(abc.ABC):
 
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``optimizer.step()`` apply gradients averaged over all ranks.
 
         Every rank leaves with identical parameters and optimizer state.
-        ``accumulate``: backward passes per step (the early ones inside :meth:`no_sync`).
-        ``compression``: one of COMPRESSIONS, the dtype gradients are averaged in.
-        ``shm_allreduce``: auto, on or off: average through shared memory when every
-        rank is on this CPU host, where the backend can (``--shm-allreduce``).
         """
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
@@ -175,11 +183,6 @@ class Backend(abc.ABC):
         for buffer in model.buffers():
             self.broadcast_(buffer, src=0)
 
-    def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's tensor (shapes may differ), in rank order, on this rank's device."""
-        gathered = self.allgather_object(tensor.detach().cpu())
-        return [t.to(tensor.device) for t in gathered]
-
     # ----- surviving failures -----------------------------------------------
     def describe_failure(self, exc: BaseException) -> "str | None":
         """One line when ``exc`` means a peer died or stalled (not a bug here); None otherwise."""
@@ -196,38 +199,11 @@ class Backend(abc.ABC):
     def commit(self, state: Any) -> None:
         """Mark ``state`` as a point to roll back to (in memory); a no-op without in-job recovery."""
 
-    # ----- data sharding ----------------------------------------------------
-    def train_sampler(self, dataset_size: int, seed: int) -> ResumableDistributedSampler:
-        """Shuffled shard of the training set; ``set_epoch(e, position)`` reshuffles each epoch.
-
-        All ranks draw one permutation from ``seed + epoch`` and rank r takes every
-        world_size-th index starting at r. Step k of the job therefore covers one
-        contiguous slice of the permutation, whatever the world size: 2 ranks with
-        batch B see the same samples per step as 1 rank with batch 2B.
-        """
-        return ResumableDistributedSampler(dataset_size, num_replicas=self.world_size, rank=self.rank, seed=seed)
-
-    def eval_shard(self, dataset_size: int) -> Sequence[int]:
-        """This rank's evaluation indices: strided, unpadded, each sample on exactly one rank.
-
-        DistributedSampler pads the last shard with repeats, which would count some
-        samples twice; here shards may differ in length by one and sums are allreduced.
-        """
-        return range(self.rank, dataset_size, self.world_size)
-
     # ----- rank-0 I/O -------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main rank only."""
         if self.is_main:
             print(*args, **kwargs, flush=True)
-
-    def save_on_main(self, obj: Any, path: str, keep_previous: "str | None" = None) -> None:
-        """Atomic torch.save on the main rank only (see :func:`trainbridge.training.checkpoint.atomic_save`).
-
-        Loading is done on every rank with :func:`trainbridge.training.checkpoint.read_checkpoint`.
-        """
-        if self.is_main:
-            atomic_save(obj, path, keep_previous=keep_previous)
 
     def decide_on_main(self, decide: Callable[[], T]) -> T:
         """Run ``decide()`` on the main rank and give its result to every rank."""

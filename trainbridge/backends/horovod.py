@@ -96,10 +96,9 @@ class HorovodBackend(Backend):
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
-        if shm_allreduce == "on":
+        if self.shm_allreduce == "on":
             raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
                             "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
                             quiet=not self.is_main)
@@ -108,8 +107,8 @@ class HorovodBackend(Backend):
         # allreduce (--accumulate); step() reduces whatever a short last batch left.
         # Compression casts each gradient to fp16/bf16 for the allreduce and back.
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
-                                             backward_passes_per_step=accumulate,
-                                             compression=self._compression(compression))
+                                             backward_passes_per_step=self.accumulate,
+                                             compression=self._compression(self.compression))
         if self.elastic:
             # No collectives outside hvd.elastic.run: a worker that joins later would
             # meet the others in the wrong operation. The elastic state sync sends

@@ -25,8 +25,7 @@ class LocalBackend(Backend):
     def shutdown(self, clean: bool = True) -> None:
         pass
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # One process: no gradients travel, so there is nothing to compress or defer.
         return model, optimizer
 

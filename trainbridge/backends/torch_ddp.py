@@ -71,7 +71,7 @@ class TorchBackend(Backend):
             store = dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         except Exception as exc:  # noqa: BLE001 - torch raises several types here
             raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {self.timeout:.0f}s: "
-                            f"{str(exc).splitlines()[0]}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
+                            f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
         self._agree_on_world_size(store)
         dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
@@ -122,8 +122,7 @@ class TorchBackend(Backend):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accumulate: int = 1,
-             compression: str = "none", shm_allreduce: str = "auto") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
@@ -138,26 +137,25 @@ class TorchBackend(Backend):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                       forward_sync_buffers=False)
-        exchange = self.exchange = self._shared_memory_exchange(model, shm_allreduce, compression)
-        if compression != "none":
+        exchange = self.exchange = self._shared_memory_exchange(model)
+        if self.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
-            ddp.register_comm_hook(None, _COMPRESS_HOOKS[compression, self.pg_backend])
+            ddp.register_comm_hook(None, _COMPRESS_HOOKS[self.compression, self.pg_backend])
         elif exchange is not None:
             # Ranks on one CPU host add each other's buckets in shared memory:
             # no loopback TCP, no gloo threads competing with compute.
             ddp.register_comm_hook(exchange, shm_average_hook)
-        # --accumulate needs nothing here: the loop runs early micro-batches in no_sync().
+        # accumulate needs nothing here: the early micro-batches run in no_sync().
         return ddp, optimizer
 
-    def _shared_memory_exchange(self, model: torch.nn.Module, mode: str, compression: str) -> "ShmAllreduce | None":
+    def _shared_memory_exchange(self, model: torch.nn.Module) -> "ShmAllreduce | None":
         """The shared-memory gradient exchange for --shm-allreduce, or None for gloo/nccl.
 
         The reasons against it are the same on every rank, so every rank calls the
         collective :meth:`ShmAllreduce.open` or none does.
         """
-        if mode not in ("auto", "on", "off"):
-            raise UserError(f"--shm-allreduce {mode} is not supported; use auto, on or off")
+        mode, compression = self.shm_allreduce, self.compression
         if mode == "off" or self.world_size == 1:  # one process: nothing to average
             return None
         why = None

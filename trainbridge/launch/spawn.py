@@ -8,8 +8,9 @@ worker fails, the others are terminated and the parent exits with its code.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
@@ -37,3 +38,17 @@ def spawn_workers(nproc: int, target: Callable[[], int]) -> int:
         print(f"trainbridge: error: a spawned worker failed: {str(exc).strip().splitlines()[-1]}")
         return 1
     return 0
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> int:
+    return fn(*args) or 0
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> int:
+    """``fn(*args)`` in ``nproc`` local worker processes that :func:`trainbridge.init` sees as one job.
+
+    For plain ``python script.py --nproc N`` without a launcher; ``fn`` must be a
+    module-level function (the workers import it). Returns the first non-zero
+    exit status, else 0.
+    """
+    return spawn_workers(nproc, functools.partial(_call, fn, args))

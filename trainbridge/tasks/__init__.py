@@ -1,10 +1,10 @@
 """Task registry: ``--task NAME`` -> a :class:`~trainbridge.tasks.base.Task`."""
 from __future__ import annotations
 
-import importlib
 from typing import Dict
 
 from ..errors import UserError
+from ..plugins import resolve
 from .base import Task
 
 TASKS: Dict[str, str] = {
@@ -13,11 +13,13 @@ TASKS: Dict[str, str] = {
 }
 
 
-def create_task(name: str) -> Task:
-    if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
-    module_name, class_name = TASKS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+def create_task(spec: str) -> Task:
+    """A built-in task by name, or the user's as ``package.module:Class`` or ``./file.py:Class``."""
+    cls = resolve(spec, TASKS, "task")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise UserError(f"task {spec!r} is not a subclass of trainbridge.Task; derive it from trainbridge.Task "
+                        f"(see the README's Task section)")
+    return cls()
 
 
 __all__ = ["TASKS", "Task", "create_task"]

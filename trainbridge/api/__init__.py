@@ -1,0 +1,5 @@
+"""The public API (``import trainbridge as tb``): :func:`init` returns a :class:`Job`."""
+from .job import Job, init, read_file
+from .loaders import EvalLoader, TrainLoader
+
+__all__ = ["EvalLoader", "Job", "TrainLoader", "init", "read_file"]

@@ -1,0 +1,367 @@
+"""The public API: one :class:`Job` per process, whatever started it.
+
+::
+
+    import trainbridge as tb
+
+    job = tb.init()                                   # torchrun, horovodrun, mpirun, srun or python
+    model, optimizer = job.prepare(model, optimizer)  # on job.device; gradients averaged over ranks
+    loader = job.train_loader(dataset, batch_size=64, seed=0)
+    for epoch in range(epochs):
+        for x, y in loader:                           # this rank's shard, reshuffled every pass
+            optimizer.zero_grad()
+            with job.autocast():
+                loss = loss_fn(model(x), y)
+            job.backward(loss)
+            job.step(optimizer)
+    job.save({"model": model, "optimizer": optimizer, "loader": loader}, "ckpt.pt")
+    job.shutdown()
+
+Every difference between DDP and Horovod lives in the backend
+(:mod:`trainbridge.backends`); this module only adds what a loop needs on top:
+loaders, checkpoints, the stop agreement and one-line errors.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+import torch
+
+from ..backends import Backend, create_backend
+from ..errors import UserError, first_line
+from ..launch import LaunchEnv, detect_launch, report_error
+from ..launch.environment import available_cores
+from ..launch.malloc_tuning import tune_malloc
+from .files import atomic_save
+from .loaders import EvalLoader, TrainLoader
+from .stop import StopSignal, Watchdog
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+QUIET_RANK_GRACE_SECONDS = 10.0
+RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
+
+
+def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "auto", amp: str = "off",
+         accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto", threads: int = 0,
+         malloc_tuning: str = "auto") -> "Job":
+    """Join the job this process was launched into and return its :class:`Job`.
+
+    ``backend``: auto (by launcher), torch, horovod or local. ``timeout``: seconds a
+    rank waits for the others (rendezvous, collectives, the watchdog) before the
+    job fails with one line instead of hanging. ``dist_backend``: auto, nccl or
+    gloo (torch backend). ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler).
+    ``accumulate``: backward passes per optimizer step (run the early ones in
+    :meth:`Job.no_sync`). ``compression``: none, fp16 or bf16 gradient exchange.
+    ``shm_allreduce``: auto, on or off (torch backend, one CPU host). ``threads``:
+    intra-op threads per rank (0: the cores shared among local ranks).
+    """
+    env = detect_launch()
+    _errors.rank = env.rank
+    sys.excepthook = _excepthook
+    if timeout <= 0:
+        raise UserError(f"timeout must be positive (got {timeout})")
+    if amp not in ("off", *AMP_DTYPES):
+        raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
+    threads = _set_threads(threads, env)
+    # Before the data and the model exist, so that every buffer comes from the tuned heap.
+    tuned, why = tune_malloc(malloc_tuning, os.environ)
+    chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout, accumulate=accumulate,
+                            compression=compression, shm_allreduce=shm_allreduce)
+    chosen.init()
+    job = _errors.job = Job(chosen, amp=amp)
+    job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
+    return job
+
+
+def _set_threads(requested: int, env: LaunchEnv) -> int:
+    # torchrun pins every worker to 1 thread (with a warning) and Horovod sets
+    # nothing, which leaves cores idle or oversubscribed.
+    if requested < 0:
+        raise UserError(f"threads must be at least 0 (got {requested})")
+    threads = requested or max(1, available_cores() // max(1, env.local_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class Job:
+    """This process's place in the job, and the operations a training loop needs."""
+
+    def __init__(self, backend: Backend, amp: str = "off") -> None:
+        self.backend = backend
+        self.amp = amp
+        if amp == "bf16" and backend.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError("amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 here")
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        self.scaler = torch.amp.GradScaler(backend.device.type) if amp == "fp16" else None
+        self.watchdog = Watchdog(backend.timeout, backend.rank)
+        self._stop: Optional[StopSignal] = None
+
+    # ----- where this process is ------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.backend.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.backend.is_main
+
+    @property
+    def launcher(self) -> str:
+        return self.backend.env.launcher
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main rank only."""
+        self.backend.print(*args, **kwargs)
+
+    # ----- model and optimizer --------------------------------------------------
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """``(model, optimizer)`` on this rank's device, wrapped so that ``step`` applies averaged gradients.
+
+        Every rank leaves with rank 0's weights. Build a scheduler after this call
+        (schedulers patch ``optimizer.step``).
+        """
+        model = model.to(self.device)
+        return self.backend.wrap(model, optimizer)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module, without the DDP wrapper (state_dict keys without "module.")."""
+        return self.backend.unwrap(model)
+
+    def autocast(self):
+        """Mixed precision per ``init(amp=...)``; a no-op when amp is off."""
+        if self.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])
+
+    def no_sync(self, model: torch.nn.Module, enabled: bool = True):
+        """Backward passes in this block only accumulate gradients locally (gradient accumulation).
+
+        The first ``accumulate - 1`` micro-batches of a step go here; the last
+        backward, outside, averages the sum over ranks: one allreduce per step.
+        """
+        return self.backend.no_sync(model) if enabled else contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled first when amp is fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the averaged gradients (skipping the step on inf/NaN with fp16), and tell the watchdog."""
+        self.backend.step(optimizer, self.scaler)
+        self.watchdog.beat()
+
+    # ----- data -----------------------------------------------------------------
+    def train_loader(self, dataset, batch_size: int, seed: int = 0, **dataloader_options: Any) -> TrainLoader:
+        """This rank's shuffled shard of a map-style ``dataset``, in batches of ``batch_size`` on ``job.device``.
+
+        The global batch is ``batch_size * world_size``; the same global batch gives
+        the same samples per step under any world size. ``dataloader_options`` go
+        to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
+        """
+        return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
+                           seed=seed, **dataloader_options)
+
+    def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
+        """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
+        return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
+                          **dataloader_options)
+
+    # ----- collectives ----------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over ranks with op "sum", "mean" or "max"; a new tensor."""
+        if op not in ("sum", "mean", "max"):
+            raise UserError(f"allreduce op {op!r} is not supported; use sum, mean or max")
+        return self.backend.allreduce(tensor, op)
+
+    def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's tensor (shapes may differ), in rank order, on this rank's device."""
+        return [t.to(tensor.device) for t in self.backend.allgather_object(tensor.detach().cpu())]
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        return self.backend.allgather_object(obj)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank."""
+        return self.backend.broadcast_object(obj, src)
+
+    def barrier(self) -> None:
+        self.backend.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Run the block on the main rank first (e.g. a download), then on the others."""
+        with self.backend.main_first():
+            yield
+
+    # ----- stopping together ----------------------------------------------------
+    def should_stop(self) -> bool:
+        """Call once per step on every rank: True on all of them at the same step once any got SIGTERM.
+
+        The answer is one step late (the agreement runs in the background), so a
+        preempted loop saves a checkpoint and leaves at most one step after the signal.
+        """
+        if self._stop is None:
+            self._stop = StopSignal(self.backend.allreduce_async)
+        self.watchdog.beat()
+        return self._stop.agreed()
+
+    def drain_stop(self) -> bool:
+        """Finish the agreement in flight (before a collective of another kind, e.g. evaluation)."""
+        return self._stop.drain() if self._stop is not None else False
+
+    def heartbeat(self) -> None:
+        """Tell the watchdog this rank makes progress (``step`` and ``should_stop`` do it for you)."""
+        self.watchdog.beat()
+
+    # ----- checkpoints ----------------------------------------------------------
+    def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
+        """Write ``obj`` to ``path``: every rank calls it, the main rank writes atomically.
+
+        Values with a ``state_dict()`` (models, wrapped or not, optimizers,
+        schedulers, GradScalers, train loaders) are saved as their state; others
+        as they are. Every rank's RNG state is added, so :meth:`load` continues
+        dropout and augmentation exactly. ``keep_previous``: first move the file
+        being replaced there.
+        """
+        state = {key: self._state_of(value) for key, value in obj.items()}
+        if self.scaler is not None and "scaler" not in state:
+            state["scaler"] = self.scaler.state_dict()
+        rngs = self.backend.allgather_object(_rng_state())  # collective: before the main-rank-only write
+        state[RNG_KEY] = {"torch": rngs, "world_size": self.world_size}
+        if self.is_main:
+            atomic_save(state, path, keep_previous=keep_previous)
+        self.backend.barrier()  # the file is complete before any rank may read it
+
+    def _state_of(self, value: Any) -> Any:
+        if isinstance(value, torch.nn.Module):
+            return self.unwrap(value).state_dict()
+        return value.state_dict() if hasattr(value, "state_dict") else value
+
+    def load(self, path: str, into: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Read ``path`` on every rank (``torch.load(weights_only=True)``).
+
+        Without ``into``: the saved dict. With ``into`` (the dict given to
+        :meth:`save`): objects are restored in place with ``load_state_dict``,
+        plain values replaced, this rank's RNG state restored; returns ``into``.
+        """
+        state = read_file(path, self.device)
+        if into is None:
+            return state
+        for key, value in into.items():
+            if key not in state:
+                raise UserError(f"{path} has no {key!r}; it holds {', '.join(k for k in state if k != RNG_KEY)}; "
+                                f"load it into the same keys it was saved with")
+            if isinstance(value, torch.nn.Module):
+                self.unwrap(value).load_state_dict(state[key])
+            elif hasattr(value, "load_state_dict"):
+                value.load_state_dict(state[key])
+            else:
+                into[key] = state[key]
+        if self.scaler is not None and state.get("scaler") and "scaler" not in into:
+            self.scaler.load_state_dict(state["scaler"])
+        rng = state.get(RNG_KEY)
+        if rng and len(rng["torch"]) == self.world_size:
+            _set_rng_state(rng["torch"][self.rank])
+        elif rng:
+            self.print(f"[trainbridge] {path} was written by {len(rng['torch'])} ranks, this job has "
+                       f"{self.world_size}: the RNG streams start afresh (seeded per rank)")
+            torch.manual_seed(torch.initial_seed() + self.rank)
+        return into
+
+    # ----- the end --------------------------------------------------------------
+    def shutdown(self, clean: bool = True) -> None:
+        """Leave the job. ``clean=False`` after a failure: wait for no other rank."""
+        self.watchdog.disarm()
+        if clean:
+            self.drain_stop()
+        self.backend.shutdown(clean=clean)
+        _errors.job = None
+
+    def __repr__(self) -> str:
+        return (f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
+                f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})")
+
+
+def read_file(path: str, device: Any = "cpu") -> Dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` with one-line errors for a missing or unreadable file."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} does not exist; check the path (resume only when the file is there)")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
+        raise UserError(f"{path} is corrupt or not a checkpoint ({type(exc).__name__}: {first_line(exc)}); "
+                        f"delete it or load another file") from None
+
+
+def _rng_state() -> torch.Tensor:
+    """This rank's RNG state (dropout masks, augmentation): CPU generator, plus CUDA's when present."""
+    state = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state = torch.cat([state, torch.cuda.get_rng_state()])
+    return state
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    cpu = torch.get_rng_state()
+    torch.set_rng_state(state[:len(cpu)].cpu())
+    if torch.cuda.is_available() and len(state) > len(cpu):
+        torch.cuda.set_rng_state(state[len(cpu):].cpu())
+
+
+# ----- one line instead of a traceback ----------------------------------------
+class _ErrorContext:
+    rank: int = 0
+    job: Optional[Job] = None
+
+
+_errors = _ErrorContext()
+
+
+def describe(exc: BaseException) -> Optional[int]:
+    """Report ``exc`` as one line if it is the user's or a peer's fault; the exit status, or None for a bug.
+
+    Input and launcher errors are the same on every rank: one line from rank 0 is
+    enough. Before the job has started, the other ranks give rank 0 time to report
+    first (a launcher kills the rest of the job on the first exit) and speak only
+    if still alive, i.e. when the error was theirs alone.
+    """
+    if isinstance(exc, UserError):
+        if (_errors.job is None and _errors.rank != 0) or exc.quiet:
+            time.sleep(QUIET_RANK_GRACE_SECONDS)
+        if not exc.quiet:
+            report_error(str(exc))
+        return 2
+    message = _errors.job.backend.describe_failure(exc) if _errors.job is not None else None
+    if message is None:
+        return None
+    report_error(message)
+    return 1
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    code = describe(exc)
+    if code is None:
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    if _errors.job is not None:
+        _errors.job.backend.shutdown(clean=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the collective library's threads must not hold the process open

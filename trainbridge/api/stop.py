@@ -1,0 +1,81 @@
+"""Stopping together: the SIGTERM agreement and the no-progress watchdog.
+
+SIGTERM, as sent by SLURM before a time limit or by Kubernetes before eviction,
+sets a flag. Ranks must agree on the step at which they stop, or one would wait
+in a collective for a peer that already left, so the flag is max-allreduced
+each step. The allreduce is asynchronous and its result is read one step later:
+no host sync, no extra Horovod cycle, and the run stops at most one step after
+the signal.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+WATCHDOG_EXIT_CODE = 124
+
+
+class StopSignal:
+    def __init__(self, allreduce_async: Callable[[torch.Tensor, str, str], Callable[[], torch.Tensor]]) -> None:
+        self.allreduce_async = allreduce_async
+        self.received = False
+        self.pending: Optional[Callable[[], torch.Tensor]] = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM (read one step late)."""
+        stop = self.drain()
+        self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
+        return stop
+
+    def drain(self) -> bool:
+        """Finish the allreduce in flight; whether it said stop."""
+        stop = False
+        if self.pending is not None:
+            stop = bool(self.pending()[0] > 0)
+            self.pending = None
+        return stop
+
+
+class Watchdog:
+    """Ends this rank when training makes no progress for ``timeout`` seconds.
+
+    Collective timeouts do not cover every stall: with Horovod's MPI controller,
+    a frozen peer (e.g. SIGSTOP, a hung GPU) blocks the negotiation itself, and
+    the stall check never runs. The loop calls :meth:`beat` after each step and
+    evaluation batch; a daemon thread exits the process with one clear line when
+    the beats stop, so the launcher can tear the job down.
+    """
+
+    def __init__(self, timeout: float, rank: int) -> None:
+        self.timeout, self.rank = timeout, rank
+        self.last = time.monotonic()
+        self.armed = False
+        threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 10))
+            idle = time.monotonic() - self.last
+            if self.armed and idle > self.timeout:
+                print(f"trainbridge: error: rank {self.rank}: no training progress for {idle:.0f}s "
+                      f"(--timeout {self.timeout:.0f}); another rank probably died or stalled: see its log",
+                      file=sys.stderr, flush=True)
+                os._exit(WATCHDOG_EXIT_CODE)

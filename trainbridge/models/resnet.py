@@ -23,7 +23,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 HEAD_PREFIX = "fc."  # the new head; everything else is the backbone
 FEATURES = 512  # resnet34's pooled feature width
@@ -50,8 +50,7 @@ def ensure_imagenet_weights() -> str:
     try:
         torch.hub.load_state_dict_from_url(imagenet_weights_url(), progress=False, check_hash=True)
     except Exception as exc:  # noqa: BLE001 - URLError, HTTPError, OSError, RuntimeError (hash)
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"no ImageNet weights for resnet34 in {path} and the download failed ({reason}); "
+        raise UserError(f"no ImageNet weights for resnet34 in {path} and the download failed ({first_line(exc)}); "
                         f"pass --no-pretrained to train from scratch, or --pretrained-weights PATH "
                         f"to a resnet34 state_dict file") from None
     finally:
@@ -67,7 +66,7 @@ def load_backbone_state(path: str) -> Dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"cannot load --pretrained-weights {path} ({str(exc).splitlines()[0]}); "
+        raise UserError(f"cannot load --pretrained-weights {path} ({first_line(exc)}); "
                         f"give a resnet34 state_dict saved with torch.save") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]

@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from ..errors import UserError
+from ..errors import UserError, first_line
+from ..launch.environment import available_cores
 
 SPLIT_FOLDERS = {"train": "Train", "val": "Validation", "test": "Test"}  # split name -> folder under ROOT
 REQUIRED_SPLITS = ("train", "val")
@@ -50,8 +51,7 @@ def check_image(path: str) -> None:
             image.draft("RGB", (64, 64))  # JPEG only: decode at 1/8 scale; still reads the whole stream
             image.load()
     except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, ...
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"unreadable image file {path} ({reason}); replace or delete it") from None
+        raise UserError(f"unreadable image file {path} ({first_line(exc)}); replace or delete it") from None
 
 
 def check_layout(root: str, decode_images: bool = True) -> Dict[str, List[str]]:
@@ -114,8 +114,7 @@ def load_split(folder: str, transform) -> Dataset:
 
 def auto_workers(local_size: int) -> int:
     """DataLoader workers per rank: the available cores shared among this node's processes."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, cores // max(1, local_size))
+    return max(0, available_cores() // max(1, local_size))
 
 
 class DeviceBatches:

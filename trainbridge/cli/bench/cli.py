@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...errors import UserError
+from ...launch.environment import available_cores
 from . import report
-from .configs import BenchConfig, available_cores, build_matrix, skip_reason
+from .configs import BenchConfig, build_matrix, skip_reason
 from .runner import aggregate, run_matrix
 from .targets import UNIT, evaluate_all, scaling_efficiency
 from .workloads import WORKLOADS

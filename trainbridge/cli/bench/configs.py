@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ...errors import UserError
+from ...launch.environment import available_cores
 from .workloads import WORKLOADS, Workload
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # trainbridge/cli/bench/configs.py -> the checkout
 BASELINES_DIR = REPO_ROOT / "benchmarks" / "baselines"
 
 
@@ -47,10 +47,6 @@ class BenchConfig:
     @property
     def cores_used(self) -> int:
         return self.nproc * self.threads
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def threads_per_rank(nproc: int, cores: int) -> int:

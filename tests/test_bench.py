@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import PYTHON, check, run
 
-from trainbridge import train_step
+from trainbridge.training import step as train_step
 from trainbridge.cli.bench import cli as bench_cli
 from trainbridge.cli.bench.configs import BenchConfig, build_matrix, skip_reason
 from trainbridge.cli.bench.runner import run_once
@@ -25,7 +25,7 @@ CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_
 def test_quick_bench_reports_every_configuration(tmp_path):
     """The CI smoke test as the README gives it: ``trainbridge bench --quick`` runs MNIST's every configuration."""
     out = tmp_path / "bench"
-    result = check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--out", str(out)], timeout=240))
+    result = check(run([PYTHON, "-m", "trainbridge", "bench", "--quick", "--out", str(out)], timeout=240))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"
@@ -65,7 +65,7 @@ def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
     """ResNet34 on the image folder: trainbridge, both tutorial scripts and the DataLoader bare loop run."""
     out = tmp_path / "bench"
     only = [arg for key in DESIGNSAFE_CONFIGS for arg in ("--only", key)]
-    check(run([PYTHON, "-m", "trainbridge.cli", "bench", "--quick", "--workload", "designsafe-resnet34", *only,
+    check(run([PYTHON, "-m", "trainbridge", "bench", "--quick", "--workload", "designsafe-resnet34", *only,
                "--out", str(out)], timeout=300))
     workload = json.loads((out / "bench.json").read_text())["workloads"]["designsafe-resnet34"]
     assert list(workload["configs"]) == DESIGNSAFE_CONFIGS

@@ -27,7 +27,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ from .stop import StopSignal, Watchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 QUIET_RANK_GRACE_SECONDS = 10.0
+T = TypeVar("T")
 RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
 
 
@@ -60,7 +61,6 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     intra-op threads per rank (0: the cores shared among local ranks).
     """
     env = detect_launch()
-    _errors.rank = env.rank
     sys.excepthook = _excepthook
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
@@ -98,7 +98,7 @@ class Job:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(backend.device.type) if amp == "fp16" else None
         self.watchdog = Watchdog(backend.timeout, backend.rank)
-        self._stop: Optional[StopSignal] = None
+        self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
 
     # ----- where this process is ------------------------------------------------
     @property
@@ -204,6 +204,13 @@ class Job:
     def barrier(self) -> None:
         self.backend.barrier()
 
+    def sync_buffers(self, model: torch.nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm running statistics) before evaluating or saving.
+
+        Each rank updates its buffers from its own batches, so after training they differ.
+        """
+        self.backend.sync_buffers(self.unwrap(model))
+
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         """Run the block on the main rank first (e.g. a download), then on the others."""
@@ -217,18 +224,36 @@ class Job:
         The answer is one step late (the agreement runs in the background), so a
         preempted loop saves a checkpoint and leaves at most one step after the signal.
         """
-        if self._stop is None:
-            self._stop = StopSignal(self.backend.allreduce_async)
         self.watchdog.beat()
         return self._stop.agreed()
 
     def drain_stop(self) -> bool:
         """Finish the agreement in flight (before a collective of another kind, e.g. evaluation)."""
-        return self._stop.drain() if self._stop is not None else False
+        return self._stop.drain()
 
     def heartbeat(self) -> None:
         """Tell the watchdog this rank makes progress (``step`` and ``should_stop`` do it for you)."""
         self.watchdog.beat()
+
+    # ----- in-job recovery (Horovod elastic) -------------------------------------
+    def run_resilient(self, train_fn: Callable[[], T], state: Any) -> T:
+        """Run ``train_fn()``; under ``horovodrun --min-np/--max-np`` re-run it after a worker failure.
+
+        ``state`` has ``snapshot()`` and ``restore(snapshot)``; ``train_fn`` must
+        continue from ``state`` and read rank and world size afresh on every call.
+        """
+        def attempt() -> T:
+            self._stop.pending = None  # an agreement started in a world that has since changed
+            return train_fn()
+        return self.backend.run_resilient(attempt, state)
+
+    def commit(self, state: Any) -> None:
+        """Mark ``state`` as the point to roll back to after a failure (elastic only; else a no-op)."""
+        self.backend.commit(state)
+
+    def decide_on_main(self, decide: Callable[[], T]) -> T:
+        """Run ``decide()`` on the main rank and give its result to every rank."""
+        return self.backend.decide_on_main(decide)
 
     # ----- checkpoints ----------------------------------------------------------
     def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
@@ -243,7 +268,7 @@ class Job:
         state = {key: self._state_of(value) for key, value in obj.items()}
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
-        rngs = self.backend.allgather_object(_rng_state())  # collective: before the main-rank-only write
+        rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
         state[RNG_KEY] = {"torch": rngs, "world_size": self.world_size}
         if self.is_main:
             atomic_save(state, path, keep_previous=keep_previous)
@@ -278,7 +303,7 @@ class Job:
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get(RNG_KEY)
         if rng and len(rng["torch"]) == self.world_size:
-            _set_rng_state(rng["torch"][self.rank])
+            set_rng_state(rng["torch"][self.rank])
         elif rng:
             self.print(f"[trainbridge] {path} was written by {len(rng['torch'])} ranks, this job has "
                        f"{self.world_size}: the RNG streams start afresh (seeded per rank)")
@@ -310,7 +335,7 @@ def read_file(path: str, device: Any = "cpu") -> Dict[str, Any]:
                         f"delete it or load another file") from None
 
 
-def _rng_state() -> torch.Tensor:
+def rng_state() -> torch.Tensor:
     """This rank's RNG state (dropout masks, augmentation): CPU generator, plus CUDA's when present."""
     state = torch.get_rng_state()
     if torch.cuda.is_available():
@@ -318,7 +343,7 @@ def _rng_state() -> torch.Tensor:
     return state
 
 
-def _set_rng_state(state: torch.Tensor) -> None:
+def set_rng_state(state: torch.Tensor) -> None:
     cpu = torch.get_rng_state()
     torch.set_rng_state(state[:len(cpu)].cpu())
     if torch.cuda.is_available() and len(state) > len(cpu):
@@ -327,8 +352,7 @@ def _set_rng_state(state: torch.Tensor) -> None:
 
 # ----- one line instead of a traceback ----------------------------------------
 class _ErrorContext:
-    rank: int = 0
-    job: Optional[Job] = None
+    job: Optional[Job] = None  # the live job, whose backend can tell a peer's failure from a bug
 
 
 _errors = _ErrorContext()
@@ -343,7 +367,7 @@ def describe(exc: BaseException) -> Optional[int]:
     if still alive, i.e. when the error was theirs alone.
     """
     if isinstance(exc, UserError):
-        if (_errors.job is None and _errors.rank != 0) or exc.quiet:
+        if (_errors.job is None and detect_launch().rank != 0) or exc.quiet:
             time.sleep(QUIET_RANK_GRACE_SECONDS)
         if not exc.quiet:
             report_error(str(exc))

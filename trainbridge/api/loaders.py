@@ -97,6 +97,7 @@ class TrainLoader:
             # loop body has used it resumes at the next one.
             self.position = min(self.position + self.global_batch_size, self.sampler.total_size)
             yield to_device(batch, self.device)
+        self.position = self.sampler.total_size  # the pass is complete (drop_last may leave a remainder)
         self._roll_over()
 
     def _roll_over(self) -> None:

@@ -16,78 +16,41 @@ import functools
 import gc
 import os
 import sys
-import time
 from typing import List, Optional
 
-import torch
-
-from ..backends import create_backend
-from ..training.config import TrainConfig, parse_config
-from ..errors import UserError
-from ..training.fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
+from ..api import init
+from ..api.job import describe
 from ..launch import detect_launch, report_error
 from ..launch.rendezvous import finalize_mpi
 from ..launch.spawn import spawn_workers
-from ..launch.malloc_tuning import tune_malloc
-
-
-QUIET_RANK_GRACE_SECONDS = 10.0
-
-
-def set_threads(requested: int, local_size: int) -> int:
-    """Intra-op threads per rank: the available cores shared among local processes.
-
-    torchrun pins every worker to 1 thread (with a warning) and Horovod sets
-    nothing, which leaves cores idle or oversubscribed.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = requested or max(1, cores // max(1, local_size))
-    torch.set_num_threads(threads)
-    return threads
+from ..training.config import TrainConfig, parse_config
+from ..training.fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
+from ..training.loop import train
 
 
 def run_worker(cfg: TrainConfig) -> int:
     """Train in this process as one rank of the job; returns the exit status."""
-    from ..training.loop import train
-
-    env = detect_launch()
-    backend, finished = None, False
+    job, finished = None, False
     try:
         cfg.validate()
-        threads = set_threads(cfg.threads, env.local_size)
-        # Before the data and the model exist, so that every buffer comes from the tuned heap.
-        tuned, why = tune_malloc(cfg.malloc_tuning, os.environ)
-        backend = create_backend(cfg.backend, env, dist_backend=cfg.dist_backend, timeout=cfg.timeout)
-        backend.init()
-        backend.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
-        train(cfg, backend)
+        job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, amp=cfg.amp,
+                   accumulate=cfg.accumulate, compression=cfg.compression, shm_allreduce=cfg.shm_allreduce,
+                   threads=cfg.threads, malloc_tuning=cfg.malloc_tuning)
+        train(cfg, job)
         finished = True
         return 0
-    except UserError as exc:
-        # Input and launcher errors are the same on every rank: one line from rank 0
-        # is enough. The other ranks give rank 0 time to report first (a launcher
-        # kills the rest of the job on the first exit) and speak only if still
-        # alive, i.e. when the error was theirs alone. Once the backend exists, an
-        # error may be one rank's: each reports.
-        if (backend is None and env.rank != 0) or exc.quiet:
-            time.sleep(QUIET_RANK_GRACE_SECONDS)
-        if not exc.quiet:
-            report_error(str(exc))
-        return 2
     except Preempted as exc:
-        if env.rank == 0:
-            print(f"[trainbridge] {exc}", flush=True)
+        job.print(f"[trainbridge] {exc}")
         finished = True  # every rank stopped at the same step: leave together
         return PREEMPTED_EXIT_CODE
-    except Exception as exc:  # noqa: BLE001 - only peer failures become one line; bugs keep their traceback
-        message = backend.describe_failure(exc) if backend is not None else None
-        if message is None:
+    except Exception as exc:  # noqa: BLE001 - bad input and peer failures become one line; bugs keep their traceback
+        code = describe(exc)
+        if code is None:
             raise
-        report_error(message)
-        return 1
+        return code
     finally:
-        if backend is not None:
-            backend.shutdown(clean=finished)
+        if job is not None:
+            job.shutdown(clean=finished)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,5 +1,4 @@
-"""Data: in-memory MNIST and index-gathered batches. Sharding comes from the backend."""
-from .batches import iterate_batches, num_batches
+"""Data of the built-in tasks: in-memory MNIST and image folders. Sharding comes from the public API's loaders."""
 from .mnist import MnistData, Split, load_mnist
 
-__all__ = ["MnistData", "Split", "iterate_batches", "load_mnist", "num_batches"]
+__all__ = ["MnistData", "Split", "load_mnist"]

@@ -1,16 +1,18 @@
-"""A task is a workload: its data, its model, its loss and its training defaults.
+"""A task is a workload for ``trainbridge train``: its data, model, loss, metrics, options and defaults.
 
-The training loop is written against this interface only, so a new workload is
-one module plus one line in ``trainbridge.tasks.TASKS``. Tasks never see the
-backend's name: sharding comes in as a sampler (training) or an index list
-(evaluation) that the backend produced.
+The training loop is written against this interface only. A built-in workload
+is one module plus one line in ``trainbridge.tasks.TASKS``; a user's is named on
+the command line, ``--task mypkg.tasks:MyTask`` or ``--task ./my_task.py:MyTask``
+(see ``examples/own_task.py``). Tasks hand over map-style datasets and never see
+ranks: trainbridge shards, shuffles and batches them.
 """
 from __future__ import annotations
 
 import abc
-from typing import Iterable, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.data import Dataset
 
 from ..errors import UserError
 
@@ -46,34 +48,43 @@ class Task(abc.ABC):
         ``note(message)`` prints a one-line notice on the main rank.
         """
 
+    # ----- the user's options ---------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """Add this task's own command-line options to ``parser`` (an argparse group); they arrive in ``cfg``."""
+
+    # ----- data ----------------------------------------------------------------
+    @property
+    def class_names(self) -> Optional[List[str]]:
+        """Names of the classes, in label order; None for a task that is not a classifier (no class report)."""
+        return None
+
     @property
     @abc.abstractmethod
-    def class_names(self) -> List[str]:
-        """Names of the classes, in label order."""
-
-    @property
-    @abc.abstractmethod
-    def train_size(self) -> int:
-        """Number of training samples (the sampler's dataset size)."""
+    def train_dataset(self) -> Dataset:
+        """The map-style training set; trainbridge shards and shuffles it (``Job.train_loader``)."""
 
     @abc.abstractmethod
-    def eval_size(self, split: str) -> int:
-        """Number of samples in ``split`` ("val" or "test"); 0 when the split does not exist."""
+    def eval_dataset(self, split: str) -> Optional[Dataset]:
+        """The map-style ``split`` ("val" or "test"), or None when it does not exist."""
 
-    @abc.abstractmethod
-    def train_loader(self, sampler: Iterable[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        """Re-iterable batches on ``device``, following ``sampler``'s current order on every pass."""
+    def loader_options(self, split: str) -> Dict[str, Any]:
+        """Extra ``DataLoader`` options for ``split`` ("train", "val", "test"): num_workers, collate_fn, ..."""
+        return {}
 
-    @abc.abstractmethod
-    def eval_loader(self, split: str, indices: Sequence[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        """Batches of exactly ``indices`` of ``split``, in order, on ``device``."""
-
+    # ----- model, loss and metrics ---------------------------------------------
     @abc.abstractmethod
     def build_model(self, cfg) -> torch.nn.Module:
         """A freshly initialised model (the loop seeds the RNG first)."""
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction=reduction)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Per-batch *sums* of each metric; the loop adds them over batches and ranks and divides by the
+        sample count, so ``{"accuracy": correct}`` is reported as ``val_accuracy``. With a
+        ``val_accuracy``, best.pt is the most accurate model; otherwise the lowest ``val_loss``."""
+        return {"accuracy": (outputs.argmax(dim=1) == targets).sum()}
 
     def trainable_parameters(self, model: torch.nn.Module) -> List[torch.nn.Parameter]:
         """Parameters the optimizer updates (all by default; fewer when a backbone is frozen)."""

@@ -11,18 +11,18 @@ ReduceLROnPlateau on the (globally reduced) validation loss.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
+from torch.utils.data import Dataset
 
 from ..data.designsafe_sample import is_synthetic_sample
-from ..data.imagefolder import (DeviceBatches, auto_workers, build_transforms, check_layout, eval_batches,
-                                load_split, train_batches)
+from ..data.imagefolder import auto_workers, build_transforms, check_layout, load_split
 from ..errors import UserError
 from ..launch import detect_launch
 from ..models import CLASSIFIERS, build_classifier
 from ..models.resnet import ensure_imagenet_weights, freeze_backbone
-from .base import Batch, Task
+from .base import Task
 
 LABEL_SMOOTHING = 0.1
 
@@ -40,7 +40,7 @@ class DesignSafeTask(Task):
         self.classes: List[str] = []
         self.weights_path: Optional[str] = None
         self.workers = 0
-        self._eval_loaders: Dict[Tuple, DeviceBatches] = {}
+        self.batch_size = 1  # samples per rank and optimizer step
 
     def validate_config(self, cfg) -> None:
         """Options and data layout, checked on every rank before any process group starts."""
@@ -71,6 +71,7 @@ class DesignSafeTask(Task):
                          for split, folder in splits.items()}
         self.classes = list(self.datasets["train"].classes)
         # Cores per rank, as for the intra-op threads: this node's processes share them.
+        self.batch_size = cfg.batch_size * cfg.accumulate
         self.workers = cfg.workers if cfg.workers is not None else auto_workers(detect_launch().local_size)
         sizes = " / ".join(f"{len(d)} {split}" for split, d in self.datasets.items())
         synthetic = is_synthetic_sample(cfg.data_root)
@@ -86,21 +87,19 @@ class DesignSafeTask(Task):
         return self.classes
 
     @property
-    def train_size(self) -> int:
-        return len(self.datasets["train"])
+    def train_dataset(self) -> Dataset:
+        return self.datasets["train"]
 
-    def eval_size(self, split: str) -> int:
-        return len(self.datasets[split]) if split in self.datasets else 0
+    def eval_dataset(self, split: str) -> Optional[Dataset]:
+        return self.datasets.get(split)
 
-    def train_loader(self, sampler: Iterable[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        return train_batches(self.datasets["train"], sampler, batch_size, device, self.workers)  # type: ignore[arg-type]
-
-    def eval_loader(self, split: str, indices: Sequence[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        # One loader per shard, kept: its persistent workers serve every epoch.
-        key = (split, tuple(indices), batch_size, str(device))
-        if key not in self._eval_loaders:
-            self._eval_loaders[key] = eval_batches(self.datasets[split], indices, batch_size, device, self.workers)
-        return self._eval_loaders[key]
+    def loader_options(self, split: str) -> Dict[str, Any]:
+        options: Dict[str, Any] = {"num_workers": self.workers}
+        if split == "train":
+            # A last batch of one sample is dropped: BatchNorm cannot train on it.
+            per_rank = -(-len(self.datasets["train"]) // max(1, detect_launch().world_size))
+            options["drop_last"] = per_rank % self.batch_size == 1 and per_rank > self.batch_size
+        return options
 
     def build_model(self, cfg) -> torch.nn.Module:
         model = build_classifier(cfg.model or self.default_model, len(self.classes), self.weights_path)

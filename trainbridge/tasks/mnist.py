@@ -1,26 +1,42 @@
 """MNIST digits, held in memory and gathered by index (see :mod:`trainbridge.data.mnist`)."""
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence
+from typing import List, Optional
 
 import torch
+from torch.utils.data import Dataset
 
-from ..data import MnistData, Split, iterate_batches, load_mnist
+from ..data import MnistData, Split, load_mnist
 from ..models import build_model
 from .base import Batch, Task
 
 
-class IndexedBatches:
-    """Re-iterable view: each pass reads the sampler's current order and gathers batches."""
+def as_batch(batch: Batch) -> Batch:
+    """collate_fn of :class:`InMemory`: its ``__getitems__`` already returns one stacked batch."""
+    return batch
 
-    def __init__(self, split: Split, sampler: Iterable[int], batch_size: int, device: torch.device) -> None:
-        self.split, self.sampler, self.batch_size, self.device = split, sampler, batch_size, device
+
+class InMemory(Dataset):
+    """A split held as two tensors; a batch is gathered with one ``index_select`` (no per-sample collate)."""
+
+    collate_fn = staticmethod(as_batch)
+
+    def __init__(self, split: Split) -> None:
+        self.split = split
+
+    @property
+    def on_device(self) -> bool:  # already on the GPU: nothing to pin
+        return self.split.images.device.type == "cuda"
 
     def __len__(self) -> int:
-        return (len(self.sampler) + self.batch_size - 1) // self.batch_size
+        return len(self.split)
 
-    def __iter__(self):
-        return iterate_batches(self.split, list(self.sampler), self.batch_size, self.device)
+    def __getitem__(self, index: int) -> Batch:
+        return self.split.images[index], self.split.labels[index]
+
+    def __getitems__(self, indices: List[int]) -> Batch:
+        chunk = torch.as_tensor(indices, dtype=torch.long, device=self.split.images.device)
+        return self.split.images.index_select(0, chunk), self.split.labels.index_select(0, chunk)
 
 
 class MnistTask(Task):
@@ -35,31 +51,20 @@ class MnistTask(Task):
 
     def prepare(self, cfg, note) -> str:
         self.data = load_mnist(cfg.dataset, cfg.resolved_data_root, note=note)
+        if torch.cuda.is_available():  # the whole set on this rank's GPU: batches gathered without host copies
+            self.data = MnistData(*(Split(s.images.cuda(), s.labels.cuda()) for s in self.data[:2]), self.data.source)
         return self.data.source
-
-    def to_device(self, device: torch.device) -> None:
-        """On a GPU, keep the whole set there: batches are gathered without host copies."""
-        if device.type == "cuda":
-            self.data = MnistData(*(Split(s.images.to(device), s.labels.to(device)) for s in self.data[:2]),
-                                  self.data.source)
 
     @property
     def class_names(self) -> List[str]:
         return [str(d) for d in range(10)]
 
     @property
-    def train_size(self) -> int:
-        return len(self.data.train)
+    def train_dataset(self) -> Dataset:
+        return InMemory(self.data.train)
 
-    def eval_size(self, split: str) -> int:
-        return len(self.data.val) if split == "val" else 0
-
-    def train_loader(self, sampler: Iterable[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        self.to_device(device)
-        return IndexedBatches(self.data.train, sampler, batch_size, device)
-
-    def eval_loader(self, split: str, indices: Sequence[int], batch_size: int, device: torch.device) -> Iterable[Batch]:
-        return iterate_batches(self.data.val, indices, batch_size, device)
+    def eval_dataset(self, split: str) -> Optional[Dataset]:
+        return InMemory(self.data.val) if split == "val" else None
 
     def build_model(self, cfg) -> torch.nn.Module:
         return build_model(cfg.model or self.default_model)

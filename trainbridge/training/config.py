@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..backends import BACKENDS
 from ..backends.base import COMPRESSIONS
@@ -63,6 +63,12 @@ class TrainConfig:
     pretrained_weights: Optional[str] = None
     freeze_backbone: bool = False
     workers: Optional[int] = None  # DataLoader workers per rank; None: available cores / local processes
+    # A user task's own options (Task.add_arguments), also set as attributes of the config.
+    task_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in self.task_options.items():
+            setattr(self, name, value)
 
     def apply_task_defaults(self, task) -> None:
         """Fill options left unset with the task's defaults (model, optimizer, lr, scheduler)."""
@@ -118,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trainbridge train",
         description="Train one model under any launcher: torchrun, horovodrun, mpirun, srun or plain python.",
     )
-    p.add_argument("--task", default=d.task, choices=list(TASKS), help="workload (default: mnist)")
+    p.add_argument("--task", default=d.task, metavar="TASK",
+                   help=f"workload: {', '.join(TASKS)} (default: mnist), or your own Task as "
+                        f"package.module:Class or ./file.py:Class")
     p.add_argument("--backend", default=d.backend, choices=["auto", *BACKENDS],
                    help="collective library; auto picks by launcher (default: auto)")
     p.add_argument("--dist-backend", default=d.dist_backend, choices=["auto", "nccl", "gloo"],
@@ -198,5 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
-    args = build_parser().parse_args(argv)
-    return TrainConfig(**{k: v for k, v in vars(args).items()})
+    # Two passes: --task names the task, whose own options join the parser before the full parse.
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    task_class = type(create_task(known.task))
+    group = parser.add_argument_group(f"options of --task {known.task}")
+    before = {a.dest for a in parser._actions}
+    task_class.add_arguments(group)
+    own = {a.dest for a in parser._actions} - before
+    args = vars(parser.parse_args(argv))
+    return TrainConfig(**{k: v for k, v in args.items() if k not in own},
+                       task_options={k: v for k, v in args.items() if k in own})

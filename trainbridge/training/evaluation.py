@@ -17,10 +17,39 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..backends import Backend
+from ..api import Job
 from ..tasks import Task
 
 EVAL_SPLITS = ("val", "test")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_size: int) -> Dict[str, float]:
+    """Exact loss and the task's metrics over the whole split, whatever the world size.
+
+    ``model`` must be the unwrapped module: a forward pass of the DDP wrapper
+    may run collectives (buffer broadcasts, when enabled), which hang when ranks
+    have different numbers of evaluation batches.
+    """
+    was_training = model.training
+    model.eval()
+    sums: Dict[str, torch.Tensor] = {}
+    count = 0
+    for inputs, targets in job.eval_loader(task.eval_dataset(split), batch_size, **task.loader_options(split)):
+        outputs = model(inputs)
+        batch = {"loss": task.loss(outputs, targets, reduction="sum"), **task.metrics(outputs, targets)}
+        for name, value in batch.items():
+            sums[name] = sums.get(name, 0) + value.detach().double()
+        count += len(targets)
+        job.heartbeat()
+    model.train(was_training)
+    # The metric names come from the batches: a rank with an empty shard (fewer samples than ranks) has none.
+    names = sorted({name for ranks in job.allgather_object(sorted(sums)) for name in ranks})
+    local = torch.tensor([float(sums[n]) if n in sums else 0.0 for n in names] + [float(count)],
+                         dtype=torch.float64, device=job.device)
+    # Each sample was seen by exactly one rank, so global sums are exact.
+    *totals, total_count = job.allreduce(local, "sum").tolist()
+    return {f"{split}_{name}": value / total_count for name, value in zip(names, totals)}
 
 
 def confusion_matrix(labels: torch.Tensor, predictions: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -55,7 +84,7 @@ def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss
 
 
 @torch.no_grad()
-def classification_report(model: torch.nn.Module, task: Task, split: str, backend: Backend,
+def classification_report(model: torch.nn.Module, task: Task, split: str, job: Job,
                           batch_size: int) -> Dict[str, object]:
     """Score ``split`` exactly across ranks; every rank returns the same report.
 
@@ -65,17 +94,16 @@ def classification_report(model: torch.nn.Module, task: Task, split: str, backen
     was_training = model.training
     model.eval()
     num_classes = len(task.class_names)
-    local = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=backend.device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
-    for images, labels in task.eval_loader(split, backend.eval_shard(task.eval_size(split)), batch_size,
-                                           backend.device):
+    local = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=job.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+    for images, labels in job.eval_loader(task.eval_dataset(split), batch_size, **task.loader_options(split)):
         logits = model(images)
         loss_sum += task.loss(logits, labels, reduction="sum").double()
         local += confusion_matrix(labels, logits.argmax(dim=1), num_classes)
     model.train(was_training)
     # Each sample was scored by exactly one rank: summing the counts gives the
     # global matrix. One float64 collective carries counts (exact below 2**53) and loss.
-    totals = backend.allreduce(torch.cat([local.double().flatten(), loss_sum.reshape(1)]), "sum").cpu()
+    totals = job.allreduce(torch.cat([local.double().flatten(), loss_sum.reshape(1)]), "sum").cpu()
     matrix = totals[:-1].round().long().reshape(num_classes, num_classes)
     return summarise(matrix, task.class_names, split, float(totals[-1]))
 
@@ -135,20 +163,20 @@ def save_report(report: Dict[str, object], output_dir: str) -> List[str]:
     return [json_path, png_path]
 
 
-def report_model(model: torch.nn.Module, task: Task, backend: Backend, batch_size: int, output_dir: str,
+def report_model(model: torch.nn.Module, task: Task, job: Job, batch_size: int, output_dir: str,
                  epoch: Optional[int]) -> Dict[str, Dict[str, object]]:
-    """Score every evaluation split the task has; the main rank prints and saves each report.
+    """Score every evaluation split a classifier task has; the main rank prints and saves each report.
 
-    Collective: every rank must call it.
+    Collective: every rank must call it. Tasks without class names get no report.
     """
     reports = {}
-    for split in EVAL_SPLITS:
-        if task.eval_size(split) == 0:
+    for split in EVAL_SPLITS if task.class_names else ():
+        if not task.eval_dataset(split):
             continue
-        report = {**classification_report(model, task, split, backend, batch_size), "epoch": epoch}
-        if backend.is_main:
+        report = {**classification_report(model, task, split, job, batch_size), "epoch": epoch}
+        if job.is_main:
             paths = save_report(report, output_dir)
-            backend.print(f"[trainbridge] {split} report of the best model (epoch {epoch}):\n"
+            job.print(f"[trainbridge] {split} report of the best model (epoch {epoch}):\n"
                           f"{format_report(report)}\n[trainbridge] wrote {' and '.join(paths)}")
         reports[split] = report
     return reports

@@ -12,20 +12,20 @@ from typing import List
 
 import torch
 
-from ..backends import Backend
+from ..api import Job
 
 
 class RankDivergence(RuntimeError):
     """Ranks disagree on something that must be identical: a bug, not a user error."""
 
 
-def learning_rates_per_rank(optimizer: torch.optim.Optimizer, backend: Backend) -> List[float]:
+def learning_rates_per_rank(optimizer: torch.optim.Optimizer, job: Job) -> List[float]:
     """Every rank's learning rate (of the first parameter group), in rank order; raises if they differ.
 
     Collective: every rank must call it at the same point.
     """
     mine = [group["lr"] for group in optimizer.param_groups]
-    everyone = backend.allgather_object(mine)
+    everyone = job.allgather_object(mine)
     if any(theirs != everyone[0] for theirs in everyone):
         listing = ", ".join(f"rank {r}: {lrs}" for r, lrs in enumerate(everyone))
         raise RankDivergence(f"learning rates differ between ranks ({listing}); every rank must step the "

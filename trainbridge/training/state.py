@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -27,8 +27,11 @@ class Progress:
     best_loss: Optional[float] = None
     best_epoch: Optional[int] = None
 
-    def improves(self, accuracy: float, loss: float) -> bool:
-        """Higher validation accuracy is better; lower validation loss breaks ties."""
+    def improves(self, accuracy: Optional[float], loss: float) -> bool:
+        """Higher validation accuracy is better; lower validation loss breaks ties (and decides alone for
+        tasks without an accuracy, such as regression)."""
+        if accuracy is None:
+            return self.best_loss is None or loss < self.best_loss
         return self.best_accuracy is None or (accuracy, -loss) > (self.best_accuracy, -self.best_loss)
 
 
@@ -55,8 +58,8 @@ class TrainState:
             self.scaler.load_state_dict(snapshot["scaler"])
         self.progress = Progress(**snapshot["progress"])
 
-    def checkpoint(self, *, rng_states: List[torch.Tensor], config: Dict[str, Any], backend: str,
-                   world_size: int, batch_size: int) -> Dict[str, Any]:
+    def checkpoint(self, *, config: Dict[str, Any], backend: str, world_size: int, batch_size: int) -> Dict[str, Any]:
+        """The checkpoint dict; ``Job.save`` adds every rank's RNG state under "rng"."""
         p = self.progress
         return {
             "format": FORMAT,
@@ -68,22 +71,6 @@ class TrainState:
             # Readable summaries of the same counters (the contract of final.pt and the README).
             "epoch": p.epoch, "step": p.step, "step_in_epoch": p.position // (world_size * batch_size),
             "sampler": {"seed": config["seed"], "epoch": p.epoch, "position": p.position},
-            "rng": {"torch": rng_states},
             "best": {"val_accuracy": p.best_accuracy, "val_loss": p.best_loss, "epoch": p.best_epoch},
             "config": config, "backend": backend, "world_size": world_size, "batch_size": batch_size,
         }
-
-
-def rng_state() -> torch.Tensor:
-    """This rank's RNG state (dropout masks, augmentation): CPU generator, plus CUDA's when present."""
-    state = torch.get_rng_state()
-    if torch.cuda.is_available():
-        state = torch.cat([state, torch.cuda.get_rng_state()])
-    return state
-
-
-def set_rng_state(state: torch.Tensor) -> None:
-    cpu = torch.get_rng_state()
-    torch.set_rng_state(state[:len(cpu)])
-    if torch.cuda.is_available() and len(state) > len(cpu):
-        torch.cuda.set_rng_state(state[len(cpu):])

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from ..api import init
 from ..api.job import describe
+from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.rendezvous import finalize_mpi
 from ..launch.spawn import spawn_workers
@@ -54,7 +55,11 @@ def run_worker(cfg: TrainConfig) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except UserError as exc:  # an unknown or unloadable --task
+        report_error(str(exc))
+        return 2
     if cfg.nproc > 1:
         if detect_launch().launcher != "python":
             report_error("--nproc is for plain python; under a launcher set the process count there "

@@ -1,13 +1,28 @@
 """Training sampler and evaluation shards: pure functions of (rank, world size, seed, epoch)."""
 import pytest
 
-from trainbridge.backends.torch_ddp import TorchBackend
-from trainbridge.launch import LaunchEnv
+import torch
+
+from trainbridge.api.loaders import EvalLoader, TrainLoader
+from trainbridge.data.sampler import ResumableDistributedSampler
 
 
-def backend(rank: int, world: int) -> TorchBackend:
-    # Sharding helpers live in the Backend base and need no process group (no init).
-    return TorchBackend(LaunchEnv("torchrun", rank=rank, world_size=world))
+class Shards:
+    """The sharding of the public API's loaders for one (rank, world size); no process group needed."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def eval_shard(self, size: int):
+        loader = EvalLoader(list(range(size)), 3, rank=self.rank, world_size=self.world, device=torch.device("cpu"))
+        return [int(i) for batch in loader for i in batch]
+
+    def train_sampler(self, size: int, seed: int) -> ResumableDistributedSampler:
+        return ResumableDistributedSampler(size, num_replicas=self.world, rank=self.rank, seed=seed)
+
+
+def backend(rank: int, world: int) -> Shards:
+    return Shards(rank, world)
 
 
 @pytest.mark.parametrize("world,size", [(1, 10), (2, 1000), (3, 1000), (4, 7), (5, 3)])
@@ -76,3 +91,21 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once():
     for s in new:
         s.set_epoch(0, position=20)
     assert sorted(i for s in new for i in s) == sorted(order[20:])
+
+
+def test_train_loader_reshuffles_each_pass_and_resumes_mid_epoch():
+    def loader():
+        return TrainLoader(list(range(40)), 4, rank=0, world_size=1, device=torch.device("cpu"), seed=5)
+
+    full = loader()
+    passes = [[b.tolist() for b in full] for _ in range(2)]
+    assert passes[0] != passes[1] and sorted(sum(passes[0], [])) == list(range(40)) and full.epoch == 2
+    interrupted = loader()
+    batches = iter(interrupted)
+    first = [next(batches).tolist() for _ in range(3)]
+    state = interrupted.state_dict()  # after 3 batches were handed out
+    assert state["epoch"] == 0 and state["position"] == 12
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert first + [b.tolist() for b in resumed] == passes[0]
+    assert [b.tolist() for b in resumed] == passes[1]  # and the next pass is the next epoch's order

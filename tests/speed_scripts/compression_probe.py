@@ -29,7 +29,9 @@ class Probe(torch.nn.Module):
 def averaged_gradient(backend, compression: str) -> float:
     model = Probe()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model, optimizer = backend.wrap(model, optimizer, compression=compression)
+    # One process group for several compressions: the option normally fixed at construction is set per probe.
+    backend.compression = compression
+    model, optimizer = backend.wrap(model, optimizer)
     optimizer.zero_grad()
     model(torch.tensor([G])).backward()
     backend.step(optimizer)

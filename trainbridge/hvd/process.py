@@ -1,9 +1,10 @@
 """hvd.init() / shutdown() and the rank layout, on torch.distributed.
 
-``init()`` joins the job the way the trainbridge torch backend does
-(:class:`trainbridge.backends.torch_ddp.TorchBackend`: the launcher's rendezvous,
+``init()`` joins the job with :func:`trainbridge.launch.rendezvous.join_process_group`,
+the same rendezvous as the trainbridge torch backend (the launcher's address,
 torchrun's agent store, mpi4py under mpirun, a one-rank group under plain
-python), unless the default process group already exists. Like Horovod's, it
+python; ranks launched with different world sizes fail with both numbers),
+unless the default process group already exists. Like Horovod's, it
 does not pick a GPU (scripts call ``torch.cuda.set_device(hvd.local_rank())``),
 so the default group is gloo. It then creates the engine's own groups: gloo for
 negotiation and CPU tensors, plus nccl for CUDA tensors when CUDA is available.
@@ -25,8 +26,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..backends.torch_ddp import TorchBackend
 from ..launch import detect_launch
+from ..launch.rendezvous import join_process_group
 from .engine import Engine
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -46,7 +47,7 @@ class Runtime:
 
 
 _runtime: Optional[Runtime] = None
-_owned_backend = None  # the TorchBackend that created the default group, if we did
+_owns_default_group = False  # whether init() created the default process group
 _atexit_registered = False
 
 
@@ -63,7 +64,7 @@ def _timeout() -> float:
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the job (idempotent). ``comm`` and ``process_sets`` need the real Horovod."""
-    global _runtime, _owned_backend, _atexit_registered
+    global _runtime, _owns_default_group, _atexit_registered
     if comm not in (None, []) or process_sets not in (None, [], "dynamic"):
         raise NotImplementedError("hvd.init(comm=..., process_sets=...) needs the real Horovod (start the job with "
                                   "horovodrun); on the torch backend every op spans all ranks")
@@ -72,9 +73,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     env = detect_launch()
     if not dist.is_initialized():
         # The torch backend's rendezvous and process group, without its one-GPU-per-rank
-        # device choice: as with Horovod, the script calls torch.cuda.set_device itself.
-        _owned_backend = TorchBackend(env, timeout=min(_timeout(), 300.0), select_device=False)
-        _owned_backend.init()
+        # device choice: as with Horovod, the script calls torch.cuda.set_device itself,
+        # so the default group is gloo (the engine adds an nccl group for CUDA tensors).
+        join_process_group(env, "gloo", timeout=min(_timeout(), 300.0))
+        _owns_default_group = True
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=_timeout())
     control = dist.new_group(backend="gloo", timeout=timeout)
@@ -109,14 +111,14 @@ def shutdown() -> None:
 
 
 def _at_exit() -> None:
-    global _owned_backend
+    global _owns_default_group
     try:
         shutdown()
     finally:
-        if _owned_backend is not None and dist.is_initialized():
+        if _owns_default_group and dist.is_initialized():
             # Every rank's engine stopped at the same cycle, so nothing is in flight: no barrier needed.
             dist.destroy_process_group()
-        _owned_backend = None
+        _owns_default_group = False
 
 
 def is_initialized() -> bool:

@@ -4,14 +4,21 @@ torchrun and srun export MASTER_ADDR/MASTER_PORT. mpirun and horovodrun do not,
 so rank 0 picks an address and a free port and shares them over the launcher's
 own channel: MPI (mpi4py) under mpirun, horovodrun's rendezvous key-value server
 under horovodrun. Plain python with one process binds a local free port.
+
+:func:`join_process_group` starts torch.distributed's default group on that
+address (a TCPStore on rank 0, the world sizes checked first), for callers that
+need only the group and not a backend (``trainbridge.hvd``). torch is imported
+inside the functions that use it, so launcher detection stays light.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import socket
 import time
 from typing import Tuple
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .environment import LaunchEnv
 
 
@@ -80,3 +87,59 @@ def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> 
         return share_over_horovodrun(env, environ, timeout)
     raise UserError(f"{env.launcher} gave no MASTER_ADDR/MASTER_PORT for torch.distributed; "
                     f"export both on every rank")
+
+
+def open_store(env: LaunchEnv, timeout: float):
+    """The job's rendezvous store: a TCPStore served by rank 0 at :func:`rendezvous_address`.
+
+    Under torchrun the agent already serves the store on MASTER_PORT; every
+    worker is a client, and a prefix per restart keeps attempts apart.
+    """
+    import torch.distributed as dist
+
+    addr, port = rendezvous_address(env, timeout=timeout)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        store = dist.TCPStore(addr, port, is_master=env.rank == 0 and not agent_store,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {timeout:.0f}s: "
+                        f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
+
+
+def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
+    """Fail with both numbers, instead of waiting forever, when ranks were launched with different sizes.
+
+    Every rank writes the size it was launched with; rank 0 checks all of
+    them, the others check rank 0's. A rank that never arrives ends in the
+    store's timeout, which names the missing rank.
+    """
+    rank, world_size = env.rank, env.world_size
+    store.set(f"trainbridge/world_size/{rank}", str(world_size))
+    for other in (range(1, world_size) if rank == 0 else [0]):
+        started = time.monotonic()
+        try:
+            theirs = int(store.get(f"trainbridge/world_size/{other}"))
+        except Exception:  # noqa: BLE001
+            if time.monotonic() - started < timeout:  # the store went away: rank 0 failed
+                raise UserError(f"rank {rank} lost the rendezvous store on rank 0 before the job "
+                                f"started; rank 0 failed: see its error") from None
+            raise UserError(f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
+                            f"expecting {world_size} processes); check that every rank was started")
+        if theirs != world_size:
+            if rank == 0:
+                time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
+            raise UserError(f"ranks disagree on the world size: rank {rank} was launched with "
+                            f"{world_size} processes, rank {other} with {theirs}; "
+                            f"launch every rank with the same WORLD_SIZE")
+
+
+def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
+    """Start torch.distributed's default process group (``pg_backend``: gloo or nccl) for this job."""
+    import torch.distributed as dist
+
+    store = open_store(env, timeout)
+    agree_on_world_size(store, env, timeout)
+    dist.init_process_group(pg_backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout))

@@ -8,10 +8,7 @@ disagree fail with both numbers instead of waiting forever.
 """
 from __future__ import annotations
 
-import datetime
 import gc
-import os
-import time
 from typing import Any, Callable, List, Tuple
 
 import torch
@@ -20,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, first_line
-from ..launch import rendezvous_address
+from ..launch.rendezvous import join_process_group
 from .base import REDUCE_OPS, Backend
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
@@ -60,44 +57,8 @@ class TorchBackend(Backend):
             raise UserError(f"--dist-backend {self.dist_backend} is not supported; use auto, nccl or gloo")
         # nccl only with CUDA (checked in Backend._pick_device); gloo otherwise.
         self.pg_backend = "nccl" if self.device.type == "cuda" and self.dist_backend != "gloo" else "gloo"
-        addr, port = rendezvous_address(self.env, timeout=self.timeout)
-        timeout = datetime.timedelta(seconds=self.timeout)
-        # Under torchrun the agent already serves the store on MASTER_PORT; every
-        # worker is a client, and a prefix per restart keeps attempts apart.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        try:
-            store = dist.TCPStore(addr, port, is_master=self.rank == 0 and not agent_store, timeout=timeout,
-                                  wait_for_workers=False)
-            store = dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        except Exception as exc:  # noqa: BLE001 - torch raises several types here
-            raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {self.timeout:.0f}s: "
-                            f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
-        self._agree_on_world_size(store)
-        dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timeout)
-
-    def _agree_on_world_size(self, store: "dist.Store") -> None:
-        # Every rank writes the size it was launched with; rank 0 checks all of
-        # them, the others check rank 0's. A rank that never arrives ends in the
-        # store's timeout, which names the missing rank.
-        store.set(f"trainbridge/world_size/{self.rank}", str(self.world_size))
-        ranks = range(1, self.world_size) if self.rank == 0 else [0]
-        for other in ranks:
-            started = time.monotonic()
-            try:
-                theirs = int(store.get(f"trainbridge/world_size/{other}"))
-            except Exception:  # noqa: BLE001
-                if time.monotonic() - started < self.timeout:  # the store went away: rank 0 failed
-                    raise UserError(f"rank {self.rank} lost the rendezvous store on rank 0 before the job "
-                                    f"started; rank 0 failed: see its error") from None
-                raise UserError(f"rank {other} did not join within {self.timeout:.0f}s (rank {self.rank} waited, "
-                                f"expecting {self.world_size} processes); check that every rank was started")
-            if theirs != self.world_size:
-                if self.rank == 0:
-                    time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
-                raise UserError(f"ranks disagree on the world size: rank {self.rank} was launched with "
-                                f"{self.world_size} processes, rank {other} with {theirs}; "
-                                f"launch every rank with the same WORLD_SIZE")
+        # A TCPStore on rank 0's address; ranks launched with different sizes fail with both numbers.
+        join_process_group(self.env, self.pg_backend, self.timeout)
 
     def describe_failure(self, exc: BaseException) -> "str | None":
         text = str(exc)

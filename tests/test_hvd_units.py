@@ -163,6 +163,31 @@ def test_commit_file_round_trips_state_dicts_with_weights_only(tmp_path):
     assert loaded["handlers"]["optimizer"]["state"][0]["step"] == 1
 
 
+def test_commit_file_is_synced_before_and_after_the_rename(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    path = tmp_path / "elastic" / "state.pt"
+    commit_file.save({"objects": {"epoch": 1}}, str(path))
+    synced = []  # (is a directory, path exists at that moment)
+    real_fsync = os.fsync
+    monkeypatch.setattr(commit_file.os, "fsync",
+                        lambda fd: (synced.append((stat.S_ISDIR(os.fstat(fd).st_mode), path.exists())), real_fsync(fd)))
+    commit_file.save({"objects": {"epoch": 2}}, str(path))
+    assert synced == [(False, True), (True, True)]  # the new data, then the directory after the rename
+    assert commit_file.load(str(path))["objects"] == {"epoch": 2}
+
+    def full_disk(obj, f):
+        f.write(b"torn")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit_file.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        commit_file.save({"objects": {"epoch": 3}}, str(path))
+    assert commit_file.load(str(path))["objects"] == {"epoch": 2}  # the previous commit, intact
+    assert sorted(p.name for p in path.parent.iterdir()) == ["state.pt"]  # no partial file left
+
+
 def test_commit_file_names_a_value_it_cannot_load_safely(tmp_path):
     class Custom:
         pass

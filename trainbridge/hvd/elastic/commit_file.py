@@ -6,9 +6,10 @@ torchrun, rank 0 therefore also writes each commit to
 
     $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
 
-atomically (write, then rename). On a restart (TORCHELASTIC_RESTART_COUNT > 0)
-rank 0 loads it and ``state.sync()`` broadcasts it to the other ranks, which may
-run on other nodes. Outside torchrun nothing is written.
+atomically and durably (write, fsync, rename, fsync the directory). On a restart
+(TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and ``state.sync()`` broadcasts
+it to the other ranks, which may run on other nodes. Outside torchrun nothing is
+written.
 
 The file is read with ``torch.load(..., weights_only=True)``, like every other
 checkpoint of trainbridge, so it may hold only what that loader accepts: tensors,
@@ -18,6 +19,7 @@ that is not, instead of writing a file the restart could not read.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any, Mapping, Optional
@@ -61,11 +63,37 @@ def check_plain(value: Any, where: str = "state") -> None:
 
 
 def save(snapshot: Any, path: str) -> None:
+    """Write ``snapshot`` to ``path`` so that a crash or power loss at any moment leaves the previous
+    commit or this one there, never a torn file.
+
+    The same steps as trainbridge's checkpoint writer (``trainbridge.api.files.atomic_save``),
+    written out here because ``hvd`` does not depend on the training layers: a temporary file in
+    the same directory, flushed and fsynced, renamed over ``path`` (atomic on POSIX), then the
+    directory fsynced so that the rename itself is on disk.
+    """
     check_plain(snapshot)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
-    torch.save(snapshot, partial)
+    try:
+        with open(partial, "wb") as f:
+            torch.save(snapshot, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
     os.replace(partial, path)  # a crash mid-write leaves the previous commit intact
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load(path: str) -> Optional[Any]:

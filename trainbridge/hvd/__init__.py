@@ -5,7 +5,8 @@ defaults). When horovodrun started the job this module *is* the real
 ``horovod.torch`` (delegation); under torchrun, mpirun, srun or plain python it
 runs the same API on torch.distributed (gloo on CPUs, nccl for CUDA tensors),
 with plain python as a job of size 1. :mod:`.delegation` documents the choice;
-docs/MIGRATING_FROM_HOROVOD.md lists every name and its status.
+docs/MIGRATING_FROM_HOROVOD.md is the user guide: launch commands, behaviour, and
+every name with its status ("Every name and its status").
 
 ``hvd.using_real_horovod`` tells which one is active.
 """

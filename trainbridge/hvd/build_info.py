@@ -3,7 +3,7 @@
 ``*_built`` says what this torch build can do; ``*_enabled`` what the running
 job uses. Collectives always negotiate over gloo, and CUDA tensors go over nccl
 when it is available, so MPI is never enabled here, even under mpirun (which
-only starts the processes; see docs/MIGRATING_FROM_HOROVOD.md).
+only starts the processes; see "Launching" in docs/MIGRATING_FROM_HOROVOD.md).
 """
 from __future__ import annotations
 

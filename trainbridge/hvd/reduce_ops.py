@@ -46,7 +46,7 @@ class ProcessSet:
     """Only the global process set exists here: every rank of the job.
 
     Horovod's subsets (``add_process_set``) are not supported on the torch
-    backend; see docs/MIGRATING_FROM_HOROVOD.md.
+    backend; see "Not supported on the torch backend" in docs/MIGRATING_FROM_HOROVOD.md.
     """
 
     def __init__(self, ranks=None) -> None:

@@ -47,7 +47,7 @@ def evaluate(job, model, dataset):
 
 
 def main(args) -> int:
-    job = tb.init(backend=args.backend, timeout=args.timeout, amp=args.amp)
+    job = tb.init(backend=args.backend, timeout=args.timeout)
     if args.global_batch % job.world_size:
         raise tb.UserError(f"--global-batch {args.global_batch} is not divisible by the {job.world_size} ranks; "
                            f"pick a multiple of {job.world_size}")
@@ -57,7 +57,7 @@ def main(args) -> int:
     torch.manual_seed(0)  # the same initial weights on every rank (prepare also broadcasts rank 0's)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    model, optimizer = job.prepare(model, optimizer)
+    model, optimizer = job.prepare(model, optimizer, amp=args.amp)
     loader = job.train_loader(train_set, batch_size=args.global_batch // job.world_size, seed=0)
     total_steps = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)

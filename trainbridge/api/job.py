@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TypeV
 
 import torch
 
-from ..backends import Backend, create_backend
+from ..backends import Backend, GradientExchange, create_backend
 from ..errors import UserError, first_line
 from ..launch import LaunchEnv, detect_launch, report_error
 from ..launch.environment import available_cores
@@ -46,33 +46,26 @@ T = TypeVar("T")
 RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
 
 
-def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "auto", amp: str = "off",
-         accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto", threads: int = 0,
+def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "auto", threads: int = 0,
          malloc_tuning: str = "auto") -> "Job":
     """Join the job this process was launched into and return its :class:`Job`.
 
     ``backend``: auto (by launcher), torch, horovod or local. ``timeout``: seconds a
     rank waits for the others (rendezvous, collectives, the watchdog) before the
     job fails with one line instead of hanging. ``dist_backend``: auto, nccl or
-    gloo (torch backend). ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler).
-    ``accumulate``: backward passes per optimizer step (run the early ones in
-    :meth:`Job.no_sync`). ``compression``: none, fp16 or bf16 gradient exchange.
-    ``shm_allreduce``: auto, on or off (torch backend, one CPU host). ``threads``:
-    intra-op threads per rank (0: the cores shared among local ranks).
+    gloo (torch backend). ``threads``: intra-op threads per rank (0: the cores
+    shared among local ranks). ``malloc_tuning``: auto or off (glibc heap settings).
     """
     env = detect_launch()
     sys.excepthook = _excepthook
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
-    if amp not in ("off", *AMP_DTYPES):
-        raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
     threads = _set_threads(threads, env)
     # Before the data and the model exist, so that every buffer comes from the tuned heap.
     tuned, why = tune_malloc(malloc_tuning, os.environ)
-    chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout, accumulate=accumulate,
-                            compression=compression, shm_allreduce=shm_allreduce)
+    chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
     chosen.init()
-    job = _errors.job = Job(chosen, amp=amp)
+    job = _errors.job = Job(chosen)
     job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
     return job
 
@@ -90,13 +83,10 @@ def _set_threads(requested: int, env: LaunchEnv) -> int:
 class Job:
     """This process's place in the job, and the operations a training loop needs."""
 
-    def __init__(self, backend: Backend, amp: str = "off") -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.amp = amp
-        if amp == "bf16" and backend.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise UserError("amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 here")
-        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-        self.scaler = torch.amp.GradScaler(backend.device.type) if amp == "fp16" else None
+        self.amp = "off"
+        self.scaler: Optional[torch.amp.GradScaler] = None
         self.watchdog = Watchdog(backend.timeout, backend.rank)
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
 
@@ -130,21 +120,35 @@ class Job:
         self.backend.print(*args, **kwargs)
 
     # ----- model and optimizer --------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, amp: str = "off",
+                accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto"):
         """``(model, optimizer)`` on this rank's device, wrapped so that ``step`` applies averaged gradients.
 
         Every rank leaves with rank 0's weights. Build a scheduler after this call
-        (schedulers patch ``optimizer.step``).
+        (schedulers patch ``optimizer.step``). The options are fixed here, for the
+        whole run: ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler, used by
+        :meth:`backward` and :meth:`step`). ``accumulate``: backward passes per
+        optimizer step, the early ones inside :meth:`no_sync` (Horovod counts them
+        itself). ``compression``: none, fp16 or bf16, the dtype gradients are
+        averaged in. ``shm_allreduce``: auto, on or off: ranks on one CPU host
+        average through shared memory instead of gloo (torch backend).
         """
-        model = model.to(self.device)
-        return self.backend.wrap(model, optimizer)
+        exchange = GradientExchange(accumulate=accumulate, compression=compression, shm_allreduce=shm_allreduce)
+        if amp not in ("off", *AMP_DTYPES):
+            raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
+        if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError("amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 here")
+        self.amp = amp
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
+        return self.backend.wrap(model.to(self.device), optimizer, exchange)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module, without the DDP wrapper (state_dict keys without "module.")."""
         return self.backend.unwrap(model)
 
     def autocast(self):
-        """Mixed precision per ``init(amp=...)``; a no-op when amp is off."""
+        """Mixed precision per ``prepare(amp=...)``; a no-op when amp is off."""
         if self.amp == "off":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])

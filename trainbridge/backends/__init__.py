@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional
 from ..errors import UserError
 from ..plugins import resolve
 from ..launch import LaunchEnv
-from .base import Backend
+from .base import Backend, GradientExchange
 
 # name -> "module:Class", imported only when chosen, so that a missing Horovod
 # never breaks the torch or local backends.
@@ -57,8 +57,8 @@ def choose_backend(requested: str, env: LaunchEnv, horovod_available: Optional[C
 
 def create_backend(requested: str, env: LaunchEnv, **options) -> Backend:
     """Construct (not yet init) the backend chosen for ``requested`` under ``env``; ``options`` go to
-    :class:`~trainbridge.backends.base.Backend` (dist_backend, timeout, accumulate, compression, shm_allreduce)."""
+    :class:`~trainbridge.backends.base.Backend` (dist_backend, timeout)."""
     return resolve(choose_backend(requested, env), BACKENDS, "backend")(env, **options)
 
 
-__all__ = ["Backend", "BACKENDS", "choose_backend", "create_backend"]
+__all__ = ["Backend", "BACKENDS", "GradientExchange", "choose_backend", "create_backend"]

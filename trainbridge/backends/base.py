@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 from typing import Any, Callable, ContextManager, Iterator, List, Tuple, TypeVar
 
 import torch
@@ -19,7 +20,31 @@ from ..errors import UserError
 from ..launch import LaunchEnv
 
 REDUCE_OPS = ("sum", "mean", "max")
-COMPRESSIONS = ("none", "fp16", "bf16")  # --compression: the dtype gradients travel in
+COMPRESSIONS = ("none", "fp16", "bf16")  # the dtype gradients travel in
+SHM_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientExchange:
+    """How gradients are averaged; checked once, where it is built (``Job.prepare``).
+
+    ``accumulate``: backward passes per optimizer step (the early ones inside :meth:`Backend.no_sync`).
+    ``compression``: the dtype gradients are averaged in (none, fp16, bf16).
+    ``shm_allreduce``: auto, on or off: average through shared memory when every
+    rank is on this CPU host, where the backend can.
+    """
+
+    accumulate: int = 1
+    compression: str = "none"
+    shm_allreduce: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise UserError(f"compression {self.compression!r} is not supported; use one of {', '.join(COMPRESSIONS)}")
+        if self.shm_allreduce not in SHM_MODES:
+            raise UserError(f"shm_allreduce {self.shm_allreduce!r} is not supported; use auto, on or off")
+        if self.accumulate < 1:
+            raise UserError(f"accumulate must be at least 1 (got {self.accumulate})")
 
 
 T = TypeVar("T")
@@ -31,27 +56,12 @@ class Backend(abc.ABC):
     name: str = "base"
 
     def __init__(self, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0,
-                 accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto",
                  select_device: bool = True) -> None:
-        """Options of the gradient exchange are fixed here, where the backend is built:
-
-        ``accumulate``: backward passes per optimizer step (the early ones inside :meth:`no_sync`).
-        ``compression``: one of COMPRESSIONS, the dtype gradients are averaged in.
-        ``shm_allreduce``: auto, on or off: average through shared memory when every
-        rank is on this CPU host, where the backend can.
-        ``select_device=False``: stay on the CPU and leave the current CUDA device alone,
-        for callers whose user picks the GPU (``trainbridge.hvd``, like Horovod).
-        """
-        if compression not in COMPRESSIONS:
-            raise UserError(f"compression {compression!r} is not supported; use one of {', '.join(COMPRESSIONS)}")
-        if shm_allreduce not in ("auto", "on", "off"):
-            raise UserError(f"shm_allreduce {shm_allreduce!r} is not supported; use auto, on or off")
-        if accumulate < 1:
-            raise UserError(f"accumulate must be at least 1 (got {accumulate})")
+        """``select_device=False``: stay on the CPU and leave the current CUDA device alone,
+        for callers whose user picks the GPU (``trainbridge.hvd``, like Horovod)."""
         self.env = env
         self.dist_backend = dist_backend
         self.timeout = timeout
-        self.accumulate, self.compression, self.shm_allreduce = accumulate, compression, shm_allreduce
         self.check_launch()
         self.device = self._pick_device() if select_device else torch.device("cpu")
 
@@ -84,14 +94,6 @@ class Backend(abc.ABC):
         return self.env.local_rank
 
     @property
-    def local_size(self) -> int:
-        return self.env.local_size
-
-    @property
-    def node_rank(self) -> int:
-        return self.env.node_rank
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -101,7 +103,7 @@ class Backend(abc.ABC):
             if self.local_rank >= torch.cuda.device_count():
                 raise UserError(
                     f"local rank {self.local_rank} has no GPU: this node has {torch.cuda.device_count()} "
-                    f"GPU(s) for {self.local_size} local processes; start at most one process per GPU"
+                    f"GPU(s) for {self.env.local_size} local processes; start at most one process per GPU"
                 )
             torch.cuda.set_device(self.local_rank)
             return torch.device("cuda", self.local_rank)
@@ -109,19 +111,11 @@ class Backend(abc.ABC):
             raise UserError("nccl was requested but CUDA is not available; use --dist-backend gloo (or auto) on CPUs")
         return torch.device("cpu")
 
-    def check_world_size(self, seen: int, source: str) -> None:
-        """Fail fast when the collective library and the launcher disagree on the size."""
-        if seen != self.env.world_size:
-            raise UserError(
-                f"world size mismatch: the {self.env.launcher} launcher announced {self.env.world_size} "
-                f"processes but {source} sees {seen}; launch every rank with the same size "
-                f"(for Horovod use horovodrun or mpirun, not torchrun)"
-            )
-
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Make ``optimizer.step()`` apply gradients averaged over all ranks.
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Make ``optimizer.step()`` apply gradients averaged over all ranks, as ``exchange`` says.
 
         Every rank leaves with identical parameters and optimizer state.
         """

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
 import torch
 
 from ..errors import UserError, first_line
-from .base import REDUCE_OPS, Backend
+from .base import REDUCE_OPS, Backend, GradientExchange
 
 T = TypeVar("T")
 
@@ -82,7 +82,16 @@ class HorovodBackend(Backend):
         self.hvd.init()
         self.full_size = self.hvd.size()
         if not self.elastic:
-            self.check_world_size(self.hvd.size(), "Horovod")
+            self._check_world_size(self.hvd.size())
+
+    def _check_world_size(self, seen: int) -> None:
+        """Fail fast when the collective library and the launcher disagree on the size."""
+        if seen != self.env.world_size:
+            raise UserError(
+                f"world size mismatch: the {self.env.launcher} launcher announced {self.env.world_size} "
+                f"processes but Horovod sees {seen}; launch every rank with the same size "
+                f"(for Horovod use horovodrun or mpirun, not torchrun)"
+            )
 
     def describe_failure(self, exc: BaseException) -> "str | None":
         from horovod.common.exceptions import HorovodInternalError
@@ -96,9 +105,10 @@ class HorovodBackend(Backend):
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
-        if self.shm_allreduce == "on":
+        if exchange.shm_allreduce == "on":
             raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
                             "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
                             quiet=not self.is_main)
@@ -107,8 +117,8 @@ class HorovodBackend(Backend):
         # allreduce (--accumulate); step() reduces whatever a short last batch left.
         # Compression casts each gradient to fp16/bf16 for the allreduce and back.
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
-                                             backward_passes_per_step=self.accumulate,
-                                             compression=self._compression(self.compression))
+                                             backward_passes_per_step=exchange.accumulate,
+                                             compression=self._compression(exchange.compression))
         if self.elastic:
             # No collectives outside hvd.elastic.run: a worker that joins later would
             # meet the others in the wrong operation. The elastic state sync sends

@@ -6,7 +6,7 @@ from typing import Any, List, Tuple
 import torch
 
 from ..errors import UserError
-from .base import REDUCE_OPS, Backend
+from .base import REDUCE_OPS, Backend, GradientExchange
 
 
 class LocalBackend(Backend):
@@ -25,7 +25,8 @@ class LocalBackend(Backend):
     def shutdown(self, clean: bool = True) -> None:
         pass
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # One process: no gradients travel, so there is nothing to compress or defer.
         return model, optimizer
 

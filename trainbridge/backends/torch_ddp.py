@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, first_line
 from ..launch.rendezvous import join_process_group
-from .base import REDUCE_OPS, Backend
+from .base import REDUCE_OPS, Backend, GradientExchange
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
 
@@ -83,7 +83,8 @@ class TorchBackend(Backend):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
@@ -98,25 +99,25 @@ class TorchBackend(Backend):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                       forward_sync_buffers=False)
-        exchange = self.exchange = self._shared_memory_exchange(model)
-        if self.compression != "none":
+        shm = self.exchange = self._shared_memory_exchange(model, exchange)
+        if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
-            ddp.register_comm_hook(None, _COMPRESS_HOOKS[self.compression, self.pg_backend])
-        elif exchange is not None:
+            ddp.register_comm_hook(None, _COMPRESS_HOOKS[exchange.compression, self.pg_backend])
+        elif shm is not None:
             # Ranks on one CPU host add each other's buckets in shared memory:
             # no loopback TCP, no gloo threads competing with compute.
-            ddp.register_comm_hook(exchange, shm_average_hook)
+            ddp.register_comm_hook(shm, shm_average_hook)
         # accumulate needs nothing here: the early micro-batches run in no_sync().
         return ddp, optimizer
 
-    def _shared_memory_exchange(self, model: torch.nn.Module) -> "ShmAllreduce | None":
+    def _shared_memory_exchange(self, model: torch.nn.Module, exchange: GradientExchange) -> "ShmAllreduce | None":
         """The shared-memory gradient exchange for --shm-allreduce, or None for gloo/nccl.
 
         The reasons against it are the same on every rank, so every rank calls the
         collective :meth:`ShmAllreduce.open` or none does.
         """
-        mode, compression = self.shm_allreduce, self.compression
+        mode, compression = exchange.shm_allreduce, exchange.compression
         if mode == "off" or self.world_size == 1:  # one process: nothing to average
             return None
         why = None
@@ -126,17 +127,17 @@ class TorchBackend(Backend):
             why = f"--compression {compression} sends gradients through gloo"
         elif self.env.local_size != self.world_size:
             why = f"the ranks are on several hosts ({self.env.local_size} of {self.world_size} on this one)"
-        exchange = None
+        shm = None
         if why is None:
             grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            exchange, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
-                                              self.timeout, self.broadcast_object, self.allgather_object)
+            shm, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
+                                         self.timeout, self.broadcast_object, self.allgather_object)
         if why is not None and mode == "on":
             raise UserError(f"--shm-allreduce on is not possible: {why}; use --shm-allreduce auto or off",
                             quiet=not self.is_main)
         if why is not None and self.pg_backend == "gloo":
             self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")
-        return exchange
+        return shm
 
     def no_sync(self, model: torch.nn.Module):
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)

@@ -34,9 +34,8 @@ def run_worker(cfg: TrainConfig) -> int:
     job, finished = None, False
     try:
         cfg.validate()
-        job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, amp=cfg.amp,
-                   accumulate=cfg.accumulate, compression=cfg.compression, shm_allreduce=cfg.shm_allreduce,
-                   threads=cfg.threads, malloc_tuning=cfg.malloc_tuning)
+        job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, threads=cfg.threads,
+                   malloc_tuning=cfg.malloc_tuning)
         train(cfg, job)
         finished = True
         return 0

@@ -119,9 +119,10 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         load_model_state(model, checkpoint["model"], checkpoint["path"])
         load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
-        if job.scaler is not None and checkpoint.get("scaler"):
-            job.scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached
-    model, optimizer = job.prepare(model, optimizer)
+    model, optimizer = job.prepare(model, optimizer, amp=cfg.amp, accumulate=cfg.accumulate,
+                                   compression=cfg.compression, shm_allreduce=cfg.shm_allreduce)
+    if checkpoint is not None and job.scaler is not None and checkpoint.get("scaler"):
+        job.scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached
     scheduler = build_scheduler(cfg, optimizer)  # after prepare: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, job, cfg.batch_size, layout, cfg.compile)
     if checkpoint is not None:

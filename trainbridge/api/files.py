@@ -14,7 +14,7 @@ import torch
 from ..errors import UserError
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -70,4 +70,4 @@ def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = N
     if keep_previous and os.path.exists(path):
         os.replace(path, keep_previous)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_dir(directory)

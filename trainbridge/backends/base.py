@@ -55,15 +55,12 @@ class Backend(abc.ABC):
 
     name: str = "base"
 
-    def __init__(self, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0,
-                 select_device: bool = True) -> None:
-        """``select_device=False``: stay on the CPU and leave the current CUDA device alone,
-        for callers whose user picks the GPU (``trainbridge.hvd``, like Horovod)."""
+    def __init__(self, env: LaunchEnv, *, dist_backend: str = "auto", timeout: float = 300.0) -> None:
         self.env = env
         self.dist_backend = dist_backend
         self.timeout = timeout
         self.check_launch()
-        self.device = self._pick_device() if select_device else torch.device("cpu")
+        self.device = self._pick_device()
 
     def check_launch(self) -> None:
         """Refuse a launcher this backend cannot run under (same answer on every rank)."""

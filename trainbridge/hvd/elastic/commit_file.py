@@ -26,6 +26,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ...api.files import fsync_dir
+
 
 def commit_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The commit file of this torchrun job, or None outside torchrun."""
@@ -85,15 +87,7 @@ def save(snapshot: Any, path: str) -> None:
             os.remove(partial)
         raise
     os.replace(partial, path)  # a crash mid-write leaves the previous commit intact
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)  # the rename itself survives a power loss
 
 
 def load(path: str) -> Optional[Any]:

@@ -50,7 +50,7 @@ def main(args) -> int:
     job = tb.init(backend=args.backend, timeout=args.timeout)
     if args.global_batch % job.world_size:
         raise tb.UserError(f"--global-batch {args.global_batch} is not divisible by the {job.world_size} ranks; "
-                           f"pick a multiple of {job.world_size}")
+                           f"pick a multiple of {job.world_size}", quiet=not job.is_main)  # one line, from rank 0
     dtype = torch.float64 if args.float64 else torch.float32
     train_set, val_set = digits(dtype)
 

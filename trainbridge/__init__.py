@@ -10,9 +10,8 @@ See :mod:`trainbridge.api.job` for the whole API on one page.
 """
 __version__ = "0.1.0"
 
-from .api import EvalLoader, Job, TrainLoader, init  # noqa: E402
+from .api import EvalLoader, Job, TrainLoader, init, spawn  # noqa: E402
 from .errors import UserError  # noqa: E402
-from .launch.spawn import spawn  # noqa: E402
 from .tasks.base import Task  # noqa: E402
 
 __all__ = ["EvalLoader", "Job", "Task", "TrainLoader", "UserError", "init", "spawn"]

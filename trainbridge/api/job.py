@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TypeVar
 
@@ -65,6 +67,8 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     tuned, why = tune_malloc(malloc_tuning, os.environ)
     chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
     chosen.init()
+    # Again: torch's init_process_group wraps the hook with one that captures stderr.
+    sys.excepthook = _excepthook
     job = _errors.job = Job(chosen)
     job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
     return job
@@ -368,10 +372,14 @@ def describe(exc: BaseException) -> Optional[int]:
     Input and launcher errors are the same on every rank: one line from rank 0 is
     enough. Before the job has started, the other ranks give rank 0 time to report
     first (a launcher kills the rest of the job on the first exit) and speak only
-    if still alive, i.e. when the error was theirs alone.
+    if still alive, i.e. when the error was theirs alone. After that, an error may
+    be one rank's and each reports it, unless it is raised with ``quiet=True``
+    (``tb.UserError(message, quiet=not job.is_main)`` for one that every rank hits).
     """
     if isinstance(exc, UserError):
         if (_errors.job is None and detect_launch().rank != 0) or exc.quiet:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end this rank while it waits
             time.sleep(QUIET_RANK_GRACE_SECONDS)
         if not exc.quiet:
             report_error(str(exc))
@@ -384,6 +392,7 @@ def describe(exc: BaseException) -> Optional[int]:
 
 
 def _excepthook(exc_type, exc, tb) -> None:
+    sys.stderr = sys.__stderr__  # not a capture buffer that os._exit would discard
     code = describe(exc)
     if code is None:
         sys.__excepthook__(exc_type, exc, tb)

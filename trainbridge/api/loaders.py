@@ -89,7 +89,8 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._roll_over()
-        self.sampler.set_epoch(self.epoch, self.position)
+        epoch = self.epoch
+        self.sampler.set_epoch(epoch, self.position)
         if self._loader is None:  # built once: persistent workers survive across epochs
             self._loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler, **self.options)
         for batch in self._loader:
@@ -97,8 +98,8 @@ class TrainLoader:
             # loop body has used it resumes at the next one.
             self.position = min(self.position + self.global_batch_size, self.sampler.total_size)
             yield to_device(batch, self.device)
-        self.position = self.sampler.total_size  # the pass is complete (drop_last may leave a remainder)
-        self._roll_over()
+        if self.epoch == epoch:  # the pass is complete (unless state_dict() already rolled it over);
+            self.epoch, self.position = epoch + 1, 0  # drop_last may have left a remainder
 
     def _roll_over(self) -> None:
         if self.position >= self.sampler.total_size:

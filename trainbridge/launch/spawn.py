@@ -8,9 +8,9 @@ worker fails, the others are terminated and the parent exits with its code.
 """
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any, Callable
+import sys
+from typing import Callable
 
 import torch.multiprocessing as mp
 
@@ -35,20 +35,7 @@ def spawn_workers(nproc: int, target: Callable[[], int]) -> int:
     except mp.ProcessExitedException as exc:
         return exc.exit_code or 1
     except mp.ProcessRaisedException as exc:
-        print(f"trainbridge: error: a spawned worker failed: {str(exc).strip().splitlines()[-1]}")
+        print(f"trainbridge: error: a spawned worker failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     return 0
 
-
-def _call(fn: Callable[..., Any], args: tuple) -> int:
-    return fn(*args) or 0
-
-
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> int:
-    """``fn(*args)`` in ``nproc`` local worker processes that :func:`trainbridge.init` sees as one job.
-
-    For plain ``python script.py --nproc N`` without a launcher; ``fn`` must be a
-    module-level function (the workers import it). Returns the first non-zero
-    exit status, else 0.
-    """
-    return spawn_workers(nproc, functools.partial(_call, fn, args))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import re
 import sys
 from typing import List, Optional
 
@@ -111,17 +111,37 @@ def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
     return image
 
 
+def sample_image_name(name: str, i: int) -> str:
+    return f"{name.lower()}_{i:03d}.png"
+
+
+def remove_sample_images(out_dir: str) -> None:
+    """Remove the images an earlier make_sample wrote (by their names), and nothing else."""
+    for split in IMAGES_PER_CLASS:
+        for name in CLASSES:
+            folder = os.path.join(out_dir, split, name)
+            if not os.path.isdir(folder):
+                continue
+            pattern = re.compile(re.escape(name.lower()) + r"_\d{3}\.png$")
+            for file in os.listdir(folder):
+                if pattern.match(file):
+                    os.remove(os.path.join(folder, file))
+
+
 def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_CLASS["Train"]) -> List[str]:
     """Write the synthetic ImageFolder to ``out_dir``; returns the split folders written.
 
     Deterministic for a given ``seed`` and ``train_per_class`` (Train/ images per
-    class). An existing synthetic sample is replaced; any other non-empty folder is
-    refused, so that real data is never overwritten.
+    class). An existing synthetic sample is replaced file by file: only the images
+    and README this function writes are removed, never a file the user added. Any
+    other non-empty folder is refused, so that real data is never overwritten.
     """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file; give a folder to write the sample into")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not is_synthetic_sample(out_dir):
             raise UserError(f"--out {out_dir} exists and is not a trainbridge sample; choose an empty or new folder")
-        shutil.rmtree(out_dir)
+        remove_sample_images(out_dir)
     rng = np.random.default_rng(seed)
     written = []
     for split, count in {**IMAGES_PER_CLASS, "Train": train_per_class}.items():
@@ -129,7 +149,7 @@ def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_C
             folder = os.path.join(out_dir, split, name)
             os.makedirs(folder, exist_ok=True)
             for i in range(count):
-                draw_house(rng, damage).save(os.path.join(folder, f"{name.lower()}_{i:03d}.png"))
+                draw_house(rng, damage).save(os.path.join(folder, sample_image_name(name, i)))
         written.append(os.path.join(out_dir, split))
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(README)
@@ -146,6 +166,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         make_sample(args.out, seed=args.seed)
+    except OSError as exc:  # a parent that is a file, no permission, a full disk
+        print(f"trainbridge: error: cannot write the sample to {args.out}: {exc.strerror or exc}; "
+              f"choose a writable folder for --out", file=sys.stderr)
+        return 2
     except UserError as exc:
         print(f"trainbridge: error: {exc}", file=sys.stderr)
         return 2

@@ -33,15 +33,24 @@ MIN_IMAGE_SIZE = 32  # ResNet downsamples 32x: smaller inputs leave no spatial e
 LAYOUT_HINT = "expected ROOT/Train/<class>/*, ROOT/Validation/<class>/* and optionally ROOT/Test/<class>/*"
 
 
+def visible(name: str) -> bool:
+    """Not hidden: Jupyter's .ipynb_checkpoints/, macOS's ._ files and .DS_Store are no data."""
+    return not name.startswith(".")
+
+
 def image_files(folder: str) -> List[str]:
-    """Image files directly in ``folder`` (by extension, as ImageFolder loads them), sorted."""
-    return sorted(os.path.join(folder, name) for name in os.listdir(folder)
-                  if name.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, name)))
+    """Image files in ``folder`` and its sub-folders (by extension, as the loader reads them), sorted;
+    hidden files and folders are left out."""
+    found = []
+    for parent, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if visible(d)]
+        found += [os.path.join(parent, n) for n in files if visible(n) and n.lower().endswith(IMAGE_EXTENSIONS)]
+    return sorted(found)
 
 
 def class_folders(split_dir: str) -> List[str]:
     return sorted(name for name in os.listdir(split_dir)
-                  if os.path.isdir(os.path.join(split_dir, name)) and not name.startswith("."))
+                  if os.path.isdir(os.path.join(split_dir, name)) and visible(name))
 
 
 def check_image(path: str) -> None:
@@ -106,10 +115,24 @@ def build_transforms(image_size: int, train: bool, imagenet_normalise: bool):
 
 
 def load_split(folder: str, transform) -> Dataset:
-    """torchvision's ImageFolder (labels = sorted class folder names, images converted to RGB)."""
+    """torchvision's ImageFolder (labels = sorted class folder names, images converted to RGB),
+    reading the classes and files :func:`check_layout` checked: hidden ones are left out.
+
+    ImageFolder alone counts a hidden folder (e.g. ``.ipynb_checkpoints/``) as a class,
+    which shifts every label by one.
+    """
     from torchvision.datasets import ImageFolder
 
-    return ImageFolder(folder, transform=transform)
+    class VisibleImageFolder(ImageFolder):
+        def find_classes(self, directory: str):
+            classes = class_folders(directory)
+            return classes, {name: i for i, name in enumerate(classes)}
+
+    def is_valid_file(path: str) -> bool:
+        relative = os.path.relpath(path, folder)
+        return path.lower().endswith(IMAGE_EXTENSIONS) and all(visible(part) for part in relative.split(os.sep))
+
+    return VisibleImageFolder(folder, transform=transform, is_valid_file=is_valid_file)
 
 
 def auto_workers(local_size: int) -> int:

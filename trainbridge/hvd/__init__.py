@@ -10,9 +10,20 @@ every name with its status ("Every name and its status").
 
 ``hvd.using_real_horovod`` tells which one is active.
 """
+import sys as _sys
+
+from ..errors import UserError as _UserError
 from .delegation import use_real_horovod
 
-using_real_horovod = use_real_horovod()
+try:
+    using_real_horovod = use_real_horovod()
+except _UserError as _exc:
+    # A script's import, not an entry point: report the bad environment as the CLI does, one line
+    # (from the first rank only) and exit status 2, instead of a traceback on every rank.
+    from ..launch import detect_launch as _detect_launch
+    if _detect_launch().rank == 0:
+        print(f"trainbridge: error: {_exc}", file=_sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 if using_real_horovod:
     try:
@@ -37,6 +48,6 @@ else:
     from .optimizer import DistributedOptimizer
     from .process import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
                           shutdown, size, start_timeline, stop_timeline)
-    from .reduce_ops import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum,
-                             add_process_set, global_process_set, remove_process_set)
+    from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+    from .reduce_ops import Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
     from .sync_batch_norm import SyncBatchNorm

@@ -17,7 +17,9 @@ plain python               the torch backend with a one-process group
 ``-mca pml ob1 -mca btl ^openib --tag-output`` (horovod.runner.mpi_run), which
 reach the workers as OMPI_MCA_* variables, and on the launching node it is an
 ancestor process. Either sign counts. ``TRAINBRIDGE_HVD_BACKEND=horovod|torch``
-overrides the choice (e.g. to use the real Horovod under a bare mpirun).
+overrides the choice (e.g. to use the real Horovod under a bare mpirun), except
+that ``horovod`` is refused under torchrun (and trainbridge's spawn): Horovod
+ignores their variables, so each process would be a job of size 1, training alone.
 """
 from __future__ import annotations
 
@@ -57,6 +59,13 @@ def use_real_horovod(environ: Optional[Mapping[str, str]] = None) -> bool:
     if override:
         if override not in ("horovod", "torch"):
             raise UserError(f"TRAINBRIDGE_HVD_BACKEND={override!r}: use 'horovod' or 'torch'")
+        env = detect_launch(environ)
+        if override == "horovod" and env.launcher in ("torchrun", "spawn"):
+            # The same refusal as --backend horovod under torchrun (backends/horovod.py).
+            raise UserError(
+                f"TRAINBRIDGE_HVD_BACKEND=horovod cannot run under {env.launcher}: Horovod would see size 1 in each "
+                f"of the {env.world_size} processes; launch with horovodrun -np {env.world_size} (or mpirun), or "
+                f"unset TRAINBRIDGE_HVD_BACKEND under {env.launcher} (trainbridge.hvd then runs on torch.distributed)")
         return override == "horovod"
     launcher = detect_launch(environ).launcher
     return launcher == "horovodrun" or (launcher == "mpirun" and started_by_horovodrun_mpi(environ))

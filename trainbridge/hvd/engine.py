@@ -17,27 +17,40 @@ Contract (the same as Horovod's background loop):
   same cycle; operations still pending fail with HorovodInternalError, so a rank
   that dies or leaves never leaves its peers waiting.
 * Only this thread issues collectives on the engine's groups, so its order is
-  the same on every rank, whatever threads the caller uses.
-* Like Horovod, an operation that some ranks never submit waits forever; after
+  the same on every rank, whatever threads the caller uses. Process sets
+  (:mod:`.process_sets`) are created and removed on this thread too, at the same
+  cycle on every rank; an operation on a set runs on that set's own group, among
+  its members only.
+* A rank that rejects its own input (see ``reject``) still announces the
+  operation, so its peers fail it too instead of waiting for it.
+* No operation waits for ever. A watchdog thread prints, after
   HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
-  turns it off) each waiting rank prints which ranks are missing.
+  turns it off), each operation this rank has waited for and the ranks that have
+  not submitted it. After HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default: the
+  collective timeout, TRAINBRIDGE_HVD_TIMEOUT) the job shuts down on every rank and
+  the pending operations raise HorovodInternalError naming the stalled one; a
+  peer that stopped cycling altogether is caught by the same limit, which is the
+  negotiation group's timeout.
+* The engine thread never ends silently: whatever stops it, every pending and
+  every later operation raises HorovodInternalError with the cause.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import first_line
-from .negotiation import Announcement, Decision, Message, NegotiationTable
-from .reduce_ops import Average, HorovodInternalError, TensorMismatchError, TORCH_REDUCE_OPS
+from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
+from .reduce_ops import Average, HorovodInternalError, TORCH_REDUCE_OPS, rejection_error
 
 # gloo has no int16 kernels (and nccl no bool): such tensors travel widened.
 TRANSPORT_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
@@ -49,10 +62,11 @@ DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 class Handle:
     """Completion of one submitted operation: ``wait()`` returns its result or raises its error."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_alive=lambda: True) -> None:
         self._done = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self._engine_alive = engine_alive
 
     def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self._result, self._error = result, error
@@ -63,7 +77,9 @@ class Handle:
 
     def wait(self) -> Any:
         while not self._done.wait(timeout=1.0):  # short waits keep Ctrl-C responsive
-            pass
+            if not self._engine_alive() and not self._done.is_set():
+                raise HorovodInternalError("the trainbridge.hvd engine thread ended without finishing this "
+                                           "operation")
         if self._error is not None:
             raise self._error
         return self._result
@@ -73,7 +89,7 @@ class Handle:
 class Request:
     """One rank's side of a named operation."""
 
-    name: str
+    key: Key
     announcement: Announcement
     inputs: List[torch.Tensor]
     outputs: Optional[List[torch.Tensor]]  # preallocated results (allreduce, broadcast); else created here
@@ -107,48 +123,86 @@ class Engine:
     """Per-process collective engine over torch.distributed; see the module docstring."""
 
     def __init__(self, rank: int, size: int, control_group: Any, cuda_group: Any = None,
-                 cycle_time: float = 0.001) -> None:
+                 cycle_time: float = 0.001, static_sets: Sequence[Tuple[int, ...]] = (),
+                 timeout: float = 1800.0, stall_shutdown_s: Optional[float] = None) -> None:
         self.rank, self.size = rank, size
         self._control = control_group  # gloo: negotiation and CPU tensors
         self._cuda = cuda_group  # nccl for CUDA tensors, when available
         self._cycle_time = cycle_time
+        self._timeout = timeout
         self._fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_BYTES))
         self._table = NegotiationTable(size)
+        # Process sets: id -> ranks (read by callers) and id -> (gloo group, nccl group or None).
+        self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
+        self._set_groups: Dict[int, Tuple[Any, Any]] = {0: (control_group, cuda_group)}
+        self._next_set_id = 1
+        for ranks in static_sets:  # every rank creates them in the same order, before the thread starts
+            self._register_set(tuple(ranks))
         self._cv = threading.Condition()
         self._outbox: List = []
-        self._local: Dict[str, Request] = {}
+        self._local: Dict[Key, Request] = {}
         self._join: Optional[Handle] = None
         self._join_device = -1
         self._join_announced = False
-        self._shutdown_requested = False
+        self._shutdown_requested: Any = False  # True, or the reason a stall ended the job
         self._closed: Optional[HorovodInternalError] = None
         self._counters: Dict[str, int] = collections.defaultdict(int)
         self.cycles = 0  # negotiation rounds so far (diagnostics)
-        stall_check = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("1", "true")
+        stall_check = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0").lower() not in ("1", "true")
         self._stall_s = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)) if stall_check else None
-        self._next_stall_check = time.monotonic()
+        self._stall_shutdown_s = stall_shutdown_s
         self._thread = threading.Thread(target=self._loop, name="trainbridge-hvd-engine", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="trainbridge-hvd-stall-check", daemon=True)
+        self._watchdog.start()
 
     # ----- caller side ------------------------------------------------------
+    def _name(self, name: Optional[str], kind: str) -> str:
+        if name is None:
+            # Numbered per kind and process: ranks must issue unnamed operations in the same order.
+            self._counters[kind] += 1
+            name = f"{kind}.noname.{self._counters[kind]}"
+        return name
+
     def submit(self, name: Optional[str], announcement: Announcement, inputs: List[torch.Tensor],
                outputs: Optional[List[torch.Tensor]] = None, grouped: bool = False) -> Handle:
         """Queue one operation; ``name=None`` gets Horovod's auto-incremented name."""
         with self._cv:
             self._raise_if_closed()
             kind = announcement.kind
-            if name is None:
-                # Numbered per kind and process: ranks must issue unnamed operations in the same order.
-                self._counters[kind] += 1
-                name = f"{kind}.noname.{self._counters[kind]}"
-            if name in self._local:
+            name = self._name(name, kind)
+            key = (announcement.process_set, name)
+            if key in self._local:
                 raise ValueError(f"hvd.{kind}: an operation named {name!r} is already in progress on rank "
                                  f"{self.rank}; synchronize it first or give the new one another name")
-            request = Request(name, announcement, inputs, outputs, grouped)
-            self._local[name] = request
+            request = Request(key, announcement, inputs, outputs, grouped,
+                              handle=Handle(self._thread.is_alive))
+            self._local[key] = request
             self._outbox.append((name, announcement))
             self._cv.notify()
         return request.handle
+
+    def reject(self, name: Optional[str], kind: str, process_set: int, error: BaseException) -> None:
+        """Announce an operation whose input this rank rejected (it raises ``error`` itself), so that
+        the peers that submitted it fail with the same error type instead of waiting for this rank."""
+        with self._cv:
+            if self._closed is not None:
+                return
+            name = self._name(name, kind)
+            if (process_set, name) in self._local:
+                return  # the name is in flight here: announcing again would replace that announcement
+            announcement = Announcement(kind, process_set=process_set,
+                                        error=(type(error).__name__, f"{first_line(error)}"))
+            self._outbox.append((name, announcement))
+            self._cv.notify()
+
+    def add_process_set(self, ranks: Tuple[int, ...]) -> Handle:
+        """Register ``ranks`` as a set on every rank; the handle yields its id, or None for a duplicate."""
+        return self.submit(None, Announcement("add_process_set", ranks=tuple(ranks)), [])
+
+    def remove_process_set(self, process_set_id: int) -> Handle:
+        """Unregister a set on every rank; the handle yields its id, or None if it was not registered."""
+        return self.submit(None, Announcement("remove_process_set", ranks=(process_set_id,)), [])
 
     def join(self, device: int = -1) -> Handle:
         """Announce that this rank has no more data; the handle yields the last rank to join."""
@@ -156,20 +210,26 @@ class Engine:
             self._raise_if_closed()
             if self._join is not None:
                 raise ValueError("hvd.join() is already in progress on this rank")
-            self._join, self._join_device, self._join_announced = Handle(), device, False
+            self._join, self._join_device, self._join_announced = Handle(self._thread.is_alive), device, False
             self._cv.notify()
             return self._join
 
     def stop(self) -> None:
         """Leave the job: every rank's loop ends at the same cycle (see the module docstring)."""
         with self._cv:
-            self._shutdown_requested = True
-            self._cv.notify()
+            self._shutdown_requested = self._shutdown_requested or True
+            self._cv.notify_all()
         self._thread.join()
+        for set_id, groups in list(self._set_groups.items()):
+            if set_id != 0:
+                self._destroy_groups(groups)
+        self._set_groups = {0: self._set_groups[0]}
 
     def _raise_if_closed(self) -> None:
         if self._closed is not None:
-            raise HorovodInternalError(str(self._closed))
+            error = HorovodInternalError(str(self._closed))
+            error.__cause__ = self._closed.__cause__
+            raise error
 
     # ----- engine thread ----------------------------------------------------
     def _loop(self) -> None:
@@ -186,19 +246,26 @@ class Engine:
                         handle, self._join = self._join, None
                     handle.finish(outcome.join_completed_by)
                 if outcome.shutdown_by:
-                    self._close(HorovodInternalError(
+                    self._close(HorovodInternalError(outcome.shutdown_reason or (
                         f"Horovod has been shut down: rank {outcome.shutdown_by[0]} called hvd.shutdown() "
-                        f"or exited while this operation was in progress"))
+                        f"or exited while this operation was in progress")))
                     return
-                self._report_stalls()
                 if not outcome.ready:
                     with self._cv:  # nothing moved: pause one cycle unless something new arrives
-                        if not self._outbox:
+                        if not self._outbox and not self._shutdown_requested:
                             self._cv.wait(timeout=self._cycle_time)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
-            self._close(HorovodInternalError(f"a collective failed on rank {self.rank} ({type(exc).__name__}: "
-                                             f"{first_line(exc)}); a peer probably "
-                                             f"exited or lost its connection"))
+            stalled = self._stalled(time.monotonic(), self._stall_shutdown_s or self._timeout)
+            if stalled:
+                reason = (f"a collective failed on rank {self.rank} after {self._describe(stalled)} "
+                          f"({type(exc).__name__}: {first_line(exc)}); the job shut down instead of waiting "
+                          f"for ever (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / TRAINBRIDGE_HVD_TIMEOUT)")
+            else:
+                reason = (f"a collective failed on rank {self.rank} ({type(exc).__name__}: {first_line(exc)}); "
+                          f"a peer probably exited or lost its connection")
+            error = HorovodInternalError(reason)
+            error.__cause__ = exc
+            self._close(error)
 
     def _next_message(self) -> Message:
         with self._cv:
@@ -209,22 +276,57 @@ class Engine:
             self._join_announced = self._join_announced or join
             return Message(announcements, join, self._shutdown_requested)
 
-    def _report_stalls(self) -> None:
-        now = time.monotonic()
-        if self._stall_s is None or now < self._next_stall_check:
-            return
-        self._next_stall_check = now + 1.0
+    # ----- stalls -----------------------------------------------------------
+    def _stalled(self, now: float, after: float) -> List[Request]:
         with self._cv:
-            stalled = [r for r in self._local.values()
-                       if not r.stall_reported and now - r.submitted_at > self._stall_s]
-        for request in stalled:
-            request.stall_reported = True
-            submitted = self._table.pending.get(request.name, {})
-            missing = [r for r in range(self.size) if r not in submitted and r not in self._table.joined]
-            print(f"trainbridge.hvd: warning: rank {self.rank} has waited {now - request.submitted_at:.0f}s for "
-                  f"{request.announcement.kind} {request.name!r}; ranks {missing} have not submitted it. Unnamed "
-                  f"operations are numbered per process, so every rank must issue them in the same order",
-                  file=sys.stderr, flush=True)
+            return [r for r in self._local.values() if now - r.submitted_at > after]
+
+    def _missing(self, request: Request) -> List[int]:
+        """The members that have not announced ``request`` yet (as far as this rank has heard)."""
+        try:
+            submitted = dict(self._table.pending.get(request.key, {}))
+            joined = list(self._table.joined) if request.key[0] == 0 else []
+        except RuntimeError:  # the engine thread changed the table meanwhile: ask again next time
+            return []
+        members = self.process_sets.get(request.key[0], ())
+        return [r for r in members if r != self.rank and r not in submitted and r not in joined]
+
+    def _describe(self, requests: List[Request]) -> str:
+        now = time.monotonic()
+        parts = []
+        for request in requests:
+            set_id, name = request.key
+            where = "" if set_id == 0 else f" in process set {set_id} {list(self.process_sets.get(set_id, ()))}"
+            parts.append(f"{request.announcement.kind} {name!r}{where} (waited {now - request.submitted_at:.0f}s; "
+                         f"ranks {self._missing(request)} have not submitted it)")
+        return "; ".join(parts)
+
+    def _watch(self) -> None:
+        """Report stalled operations and, past the shutdown limit, shut the job down (see the docstring)."""
+        period = max(0.05, min(1.0, (self._stall_s or 1.0) / 4, (self._stall_shutdown_s or 1.0) / 4))
+        while self._thread.is_alive():
+            time.sleep(period)
+            now = time.monotonic()
+            if self._stall_s is not None:
+                with self._cv:
+                    fresh = [r for r in self._local.values()
+                             if not r.stall_reported and now - r.submitted_at > self._stall_s]
+                    for request in fresh:
+                        request.stall_reported = True
+                if fresh:
+                    print(f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
+                          f"Unnamed operations are numbered per process, so every rank must issue them in the same "
+                          f"order", file=sys.stderr, flush=True)
+            if self._stall_shutdown_s is not None:
+                stalled = self._stalled(now, self._stall_shutdown_s)
+                if stalled:
+                    reason = (f"Horovod has been shut down: rank {self.rank} waited more than "
+                              f"{self._stall_shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, at most "
+                              f"TRAINBRIDGE_HVD_TIMEOUT) for {self._describe(stalled)}")
+                    with self._cv:
+                        if not isinstance(self._shutdown_requested, str):
+                            self._shutdown_requested = reason
+                            self._cv.notify_all()
 
     def _close(self, error: HorovodInternalError) -> None:
         with self._cv:
@@ -237,16 +339,51 @@ class Engine:
         if join is not None:
             join.finish(error=error)
 
+    # ----- process sets -----------------------------------------------------
+    def _register_set(self, ranks: Tuple[int, ...]) -> int:
+        set_id, self._next_set_id = self._next_set_id, self._next_set_id + 1
+        timeout = datetime.timedelta(seconds=self._timeout)
+        gloo = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+        cuda = None
+        if self._cuda is not None:
+            cuda = dist.new_group(ranks=list(ranks), backend="nccl", timeout=timeout)
+        self._set_groups[set_id] = (gloo, cuda)
+        self.process_sets[set_id] = ranks
+        self._table.members[set_id] = ranks
+        return set_id
+
+    def _destroy_groups(self, groups: Tuple[Any, Any]) -> None:
+        for group in groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+
+    def _add_process_set(self, decision: Decision, request: Optional[Request]) -> Optional[int]:
+        ranks = decision.reference().ranks
+        if ranks in self.process_sets.values():
+            return None  # a duplicate: every rank sees it the same way
+        return self._register_set(ranks)
+
+    def _remove_process_set(self, decision: Decision, request: Optional[Request]) -> Optional[int]:
+        set_id = decision.reference().ranks[0]
+        if set_id == 0 or set_id not in self.process_sets:
+            return None
+        del self.process_sets[set_id], self._table.members[set_id]
+        self._destroy_groups(self._set_groups.pop(set_id))
+        return set_id
+
     # ----- execution --------------------------------------------------------
     def _run(self, decisions: List[Decision]) -> None:
         runnable = []
         for decision in decisions:
             with self._cv:
-                request = self._local.pop(decision.name, None)  # None: this rank joined, contributes zeros
+                # None: this rank rejected its input, is not in the set, or joined (contributes zeros)
+                request = self._local.pop((decision.process_set, decision.name), None)
             if decision.error is not None:
                 if request is not None:
-                    request.handle.finish(error=TensorMismatchError(decision.error))
-            else:
+                    request.handle.finish(error=rejection_error(decision.error_type, decision.error))
+            elif decision.kind in PROCESS_SET_KINDS:
+                runnable.append((decision, request))  # every rank takes part in new_group
+            elif self.rank in self.process_sets.get(decision.process_set, ()):
                 runnable.append((decision, request))
         allreduces = [(d, r) for d, r in runnable if d.kind == "allreduce"]
         for (decision, request), outputs in zip(allreduces, self._reduce(allreduces)):
@@ -256,14 +393,20 @@ class Engine:
                 request.handle.finish(tuple(outputs) if request.grouped else outputs[0])
         for decision, request in runnable:
             if decision.kind != "allreduce":
-                request.handle.finish(getattr(self, "_" + decision.kind)(decision, request))
+                result = getattr(self, "_" + decision.kind)(decision, request)
+                if request is not None:
+                    request.handle.finish(result)
 
-    def _group_for(self, tensor: torch.Tensor) -> Any:
-        """gloo for CPU tensors; nccl, on the tensor's GPU, for CUDA tensors."""
-        if tensor.device.type == "cuda" and self._cuda is not None:
+    def _members(self, decision: Decision) -> Tuple[int, ...]:
+        return self.process_sets[decision.process_set]
+
+    def _group_for(self, tensor: torch.Tensor, set_id: int = 0) -> Any:
+        """gloo for CPU tensors; nccl, on the tensor's GPU, for CUDA tensors (the process set's groups)."""
+        gloo, cuda = self._set_groups[set_id]
+        if tensor.device.type == "cuda" and cuda is not None:
             torch.cuda.set_device(tensor.device)  # nccl runs on this thread's current device
-            return self._cuda
-        return self._control
+            return cuda
+        return gloo
 
     def _zeros_like(self, announcement: Announcement) -> List[torch.Tensor]:
         device = torch.device("cpu")
@@ -275,9 +418,9 @@ class Engine:
     def _reduce(self, entries: List[tuple]) -> List[List[torch.Tensor]]:
         """Reduce every tensor of every (decision, request); returns the reduced tensors per entry.
 
-        Tensors that share dtype, device and op are fused into flat buffers of at
-        most HOROVOD_FUSION_THRESHOLD bytes: one collective per buffer. The buckets
-        depend only on the agreed announcements, so every rank builds the same ones.
+        Tensors that share process set, dtype, device and op are fused into flat
+        buffers of at most HOROVOD_FUSION_THRESHOLD bytes: one collective per buffer.
+        The buckets depend only on the agreed announcements, so every rank builds the same ones.
         """
         results: List[List[Optional[torch.Tensor]]] = []
         buckets: Dict[tuple, List[tuple]] = collections.OrderedDict()
@@ -286,18 +429,20 @@ class Engine:
             inputs = request.inputs if request is not None else self._zeros_like(ref)
             results.append([None] * len(inputs))
             for slot, tensor in enumerate(inputs):
-                buckets.setdefault((tensor.dtype, ref.device, ref.op), []).append((index, slot, tensor, ref))
-        for (dtype, _, op), items in buckets.items():
+                key = (decision.process_set, tensor.dtype, ref.device, ref.op)
+                buckets.setdefault(key, []).append((index, slot, tensor, ref))
+        for (set_id, dtype, _, op), items in buckets.items():
+            members = len(self.process_sets[set_id])
             for chunk in self._by_size(items):
                 home = chunk[0][2].device  # model-parallel tensors on other GPUs join this buffer
                 flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1).to(home) for _, _, t, ref in chunk])
-                dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat))
+                dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat, set_id))
                 offset = 0
                 for index, slot, tensor, ref in chunk:
                     part = flat[offset:offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
                     offset += tensor.numel()
                     # Average is Sum then 1/size, folded into the post-scale as Horovod does.
-                    results[index][slot] = scaled(part, ref.postscale / self.size if op == Average else ref.postscale)
+                    results[index][slot] = scaled(part, ref.postscale / members if op == Average else ref.postscale)
         return results
 
     def _by_size(self, items: List[tuple]):
@@ -314,48 +459,52 @@ class Engine:
 
     def _allgather(self, decision: Decision, request: Request) -> Any:
         """Gather along dim 0; ranks may differ in that dimension, so pad to the longest and trim."""
+        members = self._members(decision)
         results = []
         for i, tensor in enumerate(request.inputs):
-            rows = [decision.by_rank[r].shapes[i][0] for r in range(self.size)]
+            rows = [decision.by_rank[r].shapes[i][0] for r in members]
             longest = max(rows)
             send = transport(tensor)
             if tensor.shape[0] != longest:
                 padded = send.new_zeros((longest,) + tuple(tensor.shape[1:]))
                 padded[:tensor.shape[0]] = send
                 send = padded
-            received = [torch.empty_like(send) for _ in range(self.size)]
-            dist.all_gather(received, send.contiguous(), group=self._group_for(send))
+            received = [torch.empty_like(send) for _ in members]
+            dist.all_gather(received, send.contiguous(), group=self._group_for(send, decision.process_set))
             results.append(torch.cat([part[:n] for part, n in zip(received, rows)]).to(tensor.dtype))
         return tuple(results) if request.grouped else results[0]
 
     def _broadcast(self, decision: Decision, request: Request) -> torch.Tensor:
-        root = decision.reference().root
+        root = decision.reference().root  # a global rank, as in Horovod
         tensor, output = request.inputs[0], request.outputs[0]
         buffer = transport(tensor).clone() if self.rank == root else torch.empty_like(transport(tensor))
-        dist.broadcast(buffer, src=root, group=self._group_for(buffer))
+        dist.broadcast(buffer, src=root, group=self._group_for(buffer, decision.process_set))
         output.copy_(buffer)
         return output
 
     def _alltoall(self, decision: Decision, request: Request) -> Any:
         """Row splits were announced by every rank, so each knows what it receives from whom."""
+        members = self._members(decision)
         tensor = request.inputs[0]
         send_splits = list(decision.by_rank[self.rank].splits)
-        recv_splits = [decision.by_rank[r].splits[self.rank] for r in range(self.size)]
+        recv_splits = [decision.by_rank[r].splits[members.index(self.rank)] for r in members]
         output = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]),
                              dtype=transport(tensor).dtype, device=tensor.device)
         dist.all_to_all_single(output, transport(tensor), output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits, group=self._group_for(output))
+                               input_split_sizes=send_splits, group=self._group_for(output, decision.process_set))
         return output.to(tensor.dtype), torch.tensor(recv_splits, dtype=torch.int32)
 
     def _reducescatter(self, decision: Decision, request: Request) -> Any:
-        """Reduce the whole tensor, keep this rank's rows; the first ``rows % size`` ranks get one extra."""
+        """Reduce the whole tensor, keep this rank's rows; the first ``rows % size`` members get one extra."""
+        members = self._members(decision)
+        size, position = len(members), members.index(self.rank)
         results = []
         for reduced in self._reduce([(decision, request)])[0]:
             rows = reduced.shape[0]
-            counts = [rows // self.size + (1 if r < rows % self.size else 0) for r in range(self.size)]
-            start = sum(counts[:self.rank])
-            results.append(reduced[start:start + counts[self.rank]].clone())
+            counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+            start = sum(counts[:position])
+            results.append(reduced[start:start + counts[position]].clone())
         return tuple(results) if request.grouped else results[0]
 
     def _barrier(self, decision: Decision, request: Request) -> None:
-        return None  # every rank announced it, which is all a barrier needs
+        return None  # every member announced it, which is all a barrier needs

@@ -4,7 +4,9 @@ Same behaviour as ``horovod.torch.functions`` 0.28.1, including its quirk that
 a fresh optimizer's state is created by one zero-gradient ``step()`` before it is
 broadcast (this advances Adam's step count and applies weight decay once).
 Objects are pickled with cloudpickle when it is installed (Horovod's choice, so
-lambdas work), else with the standard pickle.
+lambdas work), else with the standard pickle. Every function takes
+``process_set=`` (``broadcast_parameters``, ``broadcast_optimizer_state`` and
+``allgather_object`` in addition to Horovod 0.28.1, whose versions span all ranks).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Any, List
 import torch
 
 from .collectives import allgather, broadcast_, broadcast_async_, synchronize
-from .process import rank, size
-from .reduce_ops import check_process_set, global_process_set
+from .process import rank
+from .process_sets import global_process_set
 
 try:
     import cloudpickle as _pickle
@@ -24,7 +26,7 @@ except ImportError:  # pragma: no cover - cloudpickle comes with Horovod, not wi
     import pickle as _pickle
 
 
-def broadcast_parameters(params, root_rank: int) -> None:
+def broadcast_parameters(params, root_rank: int, process_set=global_process_set) -> None:
     """Overwrite, in place, every rank's tensors with ``root_rank``'s.
 
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` (as a list)
@@ -38,12 +40,13 @@ def broadcast_parameters(params, root_rank: int) -> None:
         raise ValueError(f"invalid params of type: {type(params)}")
     # Start every broadcast first, then wait: the engine fuses nothing here but
     # negotiates them all in a few cycles instead of one cycle per tensor.
-    handles = [broadcast_async_(p, root_rank, name) for name, p in params]
+    handles = [broadcast_async_(p, root_rank, name, process_set=process_set) for name, p in params]
     for handle in handles:
         synchronize(handle)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None,
+                              process_set=global_process_set) -> None:
     """Make every rank's optimizer state (tensors, step counts, hyper-parameters) equal to ``root_rank``'s."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
@@ -105,38 +108,37 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     scalars[unique] = value
                     callbacks[unique] = assign_state(pid, key)
 
-    broadcast_parameters(params, root_rank)
-    for key, value in broadcast_object(scalars, root_rank).items():
+    broadcast_parameters(params, root_rank, process_set=process_set)
+    for key, value in broadcast_object(scalars, root_rank, process_set=process_set).items():
         callbacks[key](value)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=global_process_set) -> Any:
     """``root_rank``'s ``obj`` (pickled), on every rank."""
-    check_process_set(process_set)
     name = type(obj).__name__ if name is None else name
     if rank() == root_rank:
         buffer = io.BytesIO()
         _pickle.dump(obj, buffer)
         payload = torch.ByteTensor(bytearray(buffer.getvalue()))
         length = torch.IntTensor([payload.shape[0]])
-        broadcast_(length, root_rank, name + ".sz")
+        broadcast_(length, root_rank, name + ".sz", process_set)
     else:
         length = torch.IntTensor([0])
-        broadcast_(length, root_rank, name + ".sz")
+        broadcast_(length, root_rank, name + ".sz", process_set)
         payload = torch.ByteTensor(int(length[0]))
-    broadcast_(payload, root_rank, name + ".t")
+    broadcast_(payload, root_rank, name + ".t", process_set)
     if rank() != root_rank:
         obj = _pickle.loads(payload.numpy().tobytes())
     return obj
 
 
-def allgather_object(obj: Any, name: str = None) -> List[Any]:
-    """Every rank's ``obj`` (pickled), in rank order."""
+def allgather_object(obj: Any, name: str = None, process_set=global_process_set) -> List[Any]:
+    """Every member's ``obj`` (pickled), in rank order."""
     name = type(obj).__name__ if name is None else name
     buffer = io.BytesIO()
     _pickle.dump(obj, buffer)
     payload = torch.ByteTensor(bytearray(buffer.getvalue()))
-    sizes = allgather(torch.IntTensor([payload.shape[0]]), name=name + ".sz").tolist()
-    gathered = allgather(payload, name=name + ".t").numpy()
-    offsets = [sum(sizes[:i]) for i in range(size() + 1)]
-    return [_pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size())]
+    sizes = allgather(torch.IntTensor([payload.shape[0]]), name=name + ".sz", process_set=process_set).tolist()
+    gathered = allgather(payload, name=name + ".t", process_set=process_set).numpy()
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [_pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]

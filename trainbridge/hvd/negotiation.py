@@ -6,9 +6,14 @@ engine thread therefore announces what it wants (an :class:`Announcement` per
 operation) and all ranks exchange their announcements once per cycle. Every
 rank applies the same gathered messages to its own :class:`NegotiationTable`
 in rank order, so all ranks reach the same decisions without a coordinator:
-which operations are ready (announced by every rank that has not joined), in
-which order they run, and which must fail because the ranks disagree on shape,
-dtype, op or root. A mismatch thus becomes an error on every rank, never a hang.
+which operations are ready (announced by every rank of the operation's process
+set that has not joined), in which order they run, and which must fail because
+the ranks disagree on shape, dtype, op or root, or because a rank rejected its
+own input (a scalar where a dimension is needed, an unsupported dtype, ...). A
+mismatch or a bad input thus becomes an error on every rank, never a hang.
+
+Operations are keyed by (process set id, name): the same name may be in flight
+in two process sets at once, as in Horovod, where each set has its own queue.
 
 This module is pure bookkeeping (no torch.distributed), so it is unit-tested
 without processes.
@@ -21,13 +26,15 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from .reduce_ops import OP_NAMES, Sum
 
 REDUCING_KINDS = ("allreduce", "reducescatter")
+PROCESS_SET_KINDS = ("add_process_set", "remove_process_set")  # run by every rank, on the global set
+Key = Tuple[int, str]  # (process set id, name)
 
 
 @dataclasses.dataclass(frozen=True)
 class Announcement:
     """What one rank tells the others about one named operation (small, picklable)."""
 
-    kind: str  # allreduce, allgather, broadcast, alltoall, reducescatter, barrier
+    kind: str  # allreduce, allgather, broadcast, alltoall, reducescatter, barrier, add/remove_process_set
     shapes: Tuple[Tuple[int, ...], ...] = ()
     dtypes: Tuple[str, ...] = ()
     device: str = "cpu"
@@ -36,6 +43,9 @@ class Announcement:
     postscale: float = 1.0
     root: int = -1
     splits: Optional[Tuple[int, ...]] = None  # alltoall: rows sent to each rank
+    process_set: int = 0
+    ranks: Optional[Tuple[int, ...]] = None  # add_process_set: its ranks; remove_process_set: (its id,)
+    error: Optional[Tuple[str, str]] = None  # (exception type, message): this rank rejected its input
 
 
 class Message(NamedTuple):
@@ -43,7 +53,7 @@ class Message(NamedTuple):
 
     announcements: List[Tuple[str, Announcement]]
     join: bool = False
-    shutdown: bool = False
+    shutdown: object = False  # True, or the reason (a stalled operation) as a string
 
 
 @dataclasses.dataclass
@@ -53,6 +63,8 @@ class Decision:
     name: str
     by_rank: Dict[int, Announcement]
     error: Optional[str] = None
+    error_type: str = "TensorMismatchError"  # or the type a rank raised when it rejected its input
+    process_set: int = 0
 
     @property
     def kind(self) -> str:
@@ -67,6 +79,7 @@ class CycleOutcome(NamedTuple):
     ready: List[Decision]
     join_completed_by: Optional[int]  # the rank that joined last, once every rank has joined
     shutdown_by: List[int]
+    shutdown_reason: Optional[str] = None  # the first reason given (a stall), if any
 
 
 class NegotiationTable:
@@ -74,33 +87,59 @@ class NegotiationTable:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.pending: Dict[str, Dict[int, Announcement]] = {}  # insertion order = execution order
+        self.pending: Dict[Key, Dict[int, Announcement]] = {}  # insertion order = execution order
         self.joined: List[int] = []
+        self.members: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}  # process set id -> ranks
 
     def apply(self, messages: Sequence[Message]) -> CycleOutcome:
         """Record one cycle's messages (index = rank) and return what is now decided."""
-        newly_joined, shutdown_by = [], []
+        newly_joined, shutdown_by, reason = [], [], None
         for rank, message in enumerate(messages):
             for name, announcement in message.announcements:
-                self.pending.setdefault(name, {})[rank] = announcement
+                self.pending.setdefault((announcement.process_set, name), {})[rank] = announcement
             if message.join and rank not in self.joined:
                 self.joined.append(rank)
                 newly_joined.append(rank)
             if message.shutdown:
                 shutdown_by.append(rank)
+                if isinstance(message.shutdown, str) and reason is None:
+                    reason = message.shutdown
         ready = []
-        for name in list(self.pending):
-            by_rank = self.pending[name]
-            if all(r in by_rank or r in self.joined for r in range(self.size)):
-                del self.pending[name]
-                ready.append(Decision(name, by_rank, disagreement(name, by_rank, self.joined)))
+        for key in list(self.pending):
+            set_id, name = key
+            by_rank = self.pending[key]
+            members = self.members.get(set_id)
+            if members is None:  # only reachable by a bug: never leave it pending
+                del self.pending[key]
+                ready.append(Decision(name, by_rank, f"{name!r} names process set {set_id}, which is not "
+                                      f"registered", "ValueError", set_id))
+                continue
+            # hvd.join() covers the global set: joined ranks answer its allreduces with zeros.
+            joined = self.joined if set_id == 0 else []
+            if all(r in by_rank or r in joined for r in members):
+                del self.pending[key]
+                ready.append(decide(name, set_id, by_rank, joined))
         join_completed_by = None
         if len(self.joined) == self.size:
             # Horovod returns the rank that joined last; ranks joining in the same
             # cycle are ordered by rank, so every rank picks the same one.
             join_completed_by = max(newly_joined)
             self.joined = []
-        return CycleOutcome(ready, join_completed_by, shutdown_by)
+        return CycleOutcome(ready, join_completed_by, shutdown_by, reason)
+
+
+def decide(name: str, set_id: int, by_rank: Dict[int, Announcement], joined: Sequence[int] = ()) -> Decision:
+    """The decision for an operation every member has reached: run it, or fail it on every rank."""
+    rejected = {r: a.error for r, a in sorted(by_rank.items()) if a.error is not None}
+    if rejected:
+        error_type = next(iter(rejected.values()))[0]
+        kind = next(a.kind for a in by_rank.values())
+        reasons = "; ".join(f"rank {r}: {message}" for r, (_, message) in rejected.items())
+        return Decision(name, by_rank, f"{kind} {name!r} was rejected ({reasons})", error_type, set_id)
+    error = disagreement(name, by_rank, joined)
+    kinds = {a.kind for a in by_rank.values()}
+    error_type = "ValueError" if kinds <= set(PROCESS_SET_KINDS) else "TensorMismatchError"
+    return Decision(name, by_rank, error, error_type, set_id)
 
 
 def _describe(by_rank: Dict[int, Announcement], field: Callable[[Announcement], object]) -> str:
@@ -146,4 +185,6 @@ def disagreement(name: str, by_rank: Dict[int, Announcement], joined: Sequence[i
             return problem("prescale/postscale factors", lambda a: (a.prescale, a.postscale))
     if kind == "broadcast" and differs(lambda a: a.root):
         return problem("root rank", lambda a: a.root)
+    if kind in PROCESS_SET_KINDS and differs(lambda a: a.ranks):
+        return problem("ranks", lambda a: list(a.ranks))
     return None

@@ -12,6 +12,13 @@ forward) gets a zero gradient and is still reduced in ``synchronize()``, so all
 ranks submit the same names and none waits for a peer. With
 ``backward_passes_per_step=k`` gradients accumulate locally for k backward
 passes and are reduced on the k-th.
+
+``process_set=``: gradients are averaged over that set's ranks only; on a rank
+outside it the optimizer steps on its local gradients (as Horovod's does).
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod does:
+by ``sparse_allreduce_async`` (an allgather of indices and values), or, with
+``sparse_as_dense=True``, densified, allreduced and made sparse again; either
+way the parameter's gradient stays sparse for the optimizer.
 """
 from __future__ import annotations
 
@@ -21,17 +28,18 @@ from typing import Iterator
 
 import torch
 
-from .collectives import allreduce_async_, synchronize
+from .collectives import allreduce_async_, sparse_allreduce_async, synchronize
 from .compression import Compression
-from .process import size
-from .reduce_ops import Average, check_process_set, global_process_set, resolve_op
+from .process import rank, size
+from .process_sets import global_process_set, set_ranks
+from .reduce_ops import Average, resolve_op
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     _is_trainbridge_distributed = True
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=Average,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False):
+                 gradient_predivide_factor=1.0, sparse_as_dense=False, process_set=global_process_set):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         if named_parameters is not None:
@@ -59,12 +67,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
         self._handles = {}
         self._hook_handles = []
         self._requires_update = set()
         self._synchronized = False
         self._should_synchronize = True
-        if size() > 1:
+        if process_set.included() and size() > 1:
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
@@ -104,31 +113,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             # Not computed on this rank (unused in this forward), but a peer may have it: reduce zeros.
             p.grad = p.data.new(p.size()).zero_()
-        if p.grad.is_sparse:
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
             if not self.sparse_as_dense:
-                raise NotImplementedError("sparse gradients need DistributedOptimizer(..., sparse_as_dense=True) "
-                                          "on the torch backend")
-            p.grad = p.grad.to_dense()
-        compressed, ctx = self._compression.compress(p.grad)
+                # A callable handle: it waits for the allgathers and returns the aggregated sparse tensor.
+                return sparse_allreduce_async(tensor, name=name, op=self.op, process_set=self.process_set), None
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
         prescale, postscale = 1.0, 1.0
         if self.op == Average:
             # Split the average around the sum; the engine adds the 1/size.
             prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=self._parameter_names.get(p), op=self.op,
-                                  prescale_factor=prescale, postscale_factor=postscale)
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
+                                  postscale_factor=postscale, process_set=self.process_set)
         return handle, ctx
 
     def synchronize(self) -> None:
         """Wait for every gradient allreduce; gradients not yet submitted are submitted now."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
         for p in self._requires_update - set(self._handles):
             self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in self._handles.items():
-            output = synchronize(handle)
+            output = handle() if callable(handle) else synchronize(handle)
             self._allreduce_delay[p] = self.backward_passes_per_step
-            p.grad.set_(self._compression.decompress(output, ctx))
+            if p.grad.is_sparse:
+                aggregated = output if ctx is None else self._compression.decompress(output, ctx)
+                if not aggregated.is_sparse:
+                    aggregated = aggregated.to_sparse()  # sparse_as_dense: back to the layout the optimizer expects
+                p.grad.zero_().add_(aggregated)  # sparse tensors have no set_()
+            else:
+                p.grad.set_(self._compression.decompress(output, ctx))
         self._handles.clear()
         self._synchronized = True
 
@@ -168,7 +188,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``num_groups``/``groups`` are accepted for compatibility; the engine fuses
     ready gradients on its own (HOROVOD_FUSION_THRESHOLD).
     """
-    check_process_set(process_set)
+    if process_set.included():
+        set_ranks(process_set, rank())  # ValueError now for a set that is not registered
     op = resolve_op(op, None)  # rejects Adasum with the alternative named
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -179,4 +200,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                       DeprecationWarning)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense)
+               gradient_predivide_factor, sparse_as_dense, process_set)

@@ -9,11 +9,20 @@ does not pick a GPU (scripts call ``torch.cuda.set_device(hvd.local_rank())``),
 so the default group is gloo. It then creates the engine's own groups: gloo for
 negotiation and CPU tensors, plus nccl for CUDA tensors when CUDA is available.
 
+``init(process_sets=[...])`` registers static process sets (every rank must pass
+the same ones, else ValueError on every rank); ``process_sets="dynamic"`` allows
+``hvd.add_process_set`` later (see :mod:`.process_sets`). ``comm=`` (MPI
+communicators) needs the real Horovod.
+
 Environment read: the launcher's variables (see :mod:`trainbridge.launch`),
 ``HOROVOD_CYCLE_TIME`` (ms, default 1), ``HOROVOD_FUSION_THRESHOLD`` (bytes),
 ``TRAINBRIDGE_HVD_TIMEOUT`` (seconds a collective may wait for its peers,
-default 1800). The default process group outlives ``shutdown()`` so that
-``init()`` may be called again; it is destroyed at interpreter exit.
+default 1800), ``HOROVOD_STALL_CHECK_TIME_SECONDS`` / ``HOROVOD_STALL_CHECK_DISABLE``
+(the stall warning) and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (seconds after which
+a stalled operation shuts the job down; default and upper bound: the timeout;
+0 means the timeout), ``HOROVOD_DYNAMIC_PROCESS_SETS``. The default process
+group outlives ``shutdown()`` so that ``init()`` may be called again; it is
+destroyed at interpreter exit.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import torch.distributed as dist
 from ..launch import detect_launch
 from ..launch.rendezvous import join_process_group
 from .engine import Engine
+from .process_sets import check_static_sets, global_process_set, static_sets
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -62,12 +72,19 @@ def _timeout() -> float:
     return float(os.environ.get("TRAINBRIDGE_HVD_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
+def _stall_shutdown() -> float:
+    """Seconds a stalled operation may wait before the job shuts down (never more than the timeout)."""
+    seconds = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0) or 0)
+    return min(seconds, _timeout()) if seconds > 0 else _timeout()
+
+
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job (idempotent). ``comm`` and ``process_sets`` need the real Horovod."""
+    """Join the job (idempotent); register ``process_sets`` (a list of hvd.ProcessSet, or "dynamic")."""
     global _runtime, _owns_default_group, _atexit_registered
-    if comm not in (None, []) or process_sets not in (None, [], "dynamic"):
-        raise NotImplementedError("hvd.init(comm=..., process_sets=...) needs the real Horovod (start the job with "
-                                  "horovodrun); on the torch backend every op spans all ranks")
+    if comm not in (None, []):
+        raise NotImplementedError("hvd.init(comm=...) (MPI communicators) needs the real Horovod (start the job "
+                                  "with horovodrun --mpi); on the torch backend use hvd.init(process_sets=[...])")
+    sets = static_sets(process_sets)
     if _runtime is not None:
         return
     env = detect_launch()
@@ -78,22 +95,35 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         join_process_group(env, "gloo", timeout=min(_timeout(), 300.0))
         _owns_default_group = True
     rank, size = dist.get_rank(), dist.get_world_size()
-    timeout = datetime.timedelta(seconds=_timeout())
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    # The negotiation group's timeout is the stall shutdown limit: a peer that stops
+    # cycling while this rank waits for it ends the wait there (see engine.py).
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_stall_shutdown()))
     groups = [control]
     cuda_group = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda_group = dist.new_group(backend="nccl", timeout=timeout)
+        cuda_group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=_timeout()))
         groups.append(cuda_group)
     # Horovod's cross rank/size: the ranks that share this process's local rank, one per node.
+    # The static process sets travel along, so that every rank checks them the same way.
     local_rank, local_size = env.local_rank, env.local_size
     layouts: List[Any] = [None] * size
-    dist.all_gather_object(layouts, (local_rank, local_size), group=control)
-    peers = [r for r, (lr, _) in enumerate(layouts) if lr == local_rank]
+    dist.all_gather_object(layouts, (local_rank, local_size, [tuple(ps.ranks) for ps in sets]), group=control)
+    try:
+        check_static_sets([requested for _, _, requested in layouts], size)
+    except ValueError:
+        for group in groups:
+            dist.destroy_process_group(group)
+        raise
+    peers = [r for r, (lr, _, _) in enumerate(layouts) if lr == local_rank]
     engine = Engine(rank, size, control, cuda_group,
-                    cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0)
+                    cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0,
+                    static_sets=[tuple(ps.ranks) for ps in sets], timeout=_timeout(),
+                    stall_shutdown_s=_stall_shutdown())
+    for set_id, ps in enumerate(sets, start=1):
+        ps.process_set_id = set_id
+    global_process_set.ranks = list(range(size))
     _runtime = Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
-                       len({ls for _, ls in layouts}) == 1, engine, groups)
+                       len({ls for _, ls, _ in layouts}) == 1, engine, groups)
     if not _atexit_registered:
         atexit.register(_at_exit)
         _atexit_registered = True

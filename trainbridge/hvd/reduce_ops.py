@@ -1,4 +1,4 @@
-"""Reduction ops, error types and the global process set, as ``horovod.torch`` names them.
+"""Reduction ops and error types, as ``horovod.torch`` names them.
 
 The op values are Horovod's own integers (Average=0 ... Product=5), so code that
 stores or compares them keeps working after the one-line migration.
@@ -21,8 +21,37 @@ class HorovodInternalError(RuntimeError):
     """A collective could not complete: a peer failed, left, or the job shut down."""
 
 
-class TensorMismatchError(RuntimeError):
-    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots."""
+class TensorMismatchError(HorovodInternalError):
+    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots.
+
+    A HorovodInternalError, as in Horovod, whose ``synchronize`` raises that type for
+    every error its coordinator reports.
+    """
+
+
+class ScalarInputError(ValueError, IndexError):
+    """A 0-d tensor where a first dimension is needed (allgather, alltoall, reducescatter).
+
+    Horovod raises ValueError for reducescatter and IndexError for allgather; both catch this.
+    """
+
+
+class UnsupportedOpError(HorovodInternalError, ValueError):
+    """A reduction op the operation does not support (Horovod raises HorovodInternalError; ValueError reads better)."""
+
+
+class UnregisteredProcessSetError(ValueError, TypeError):
+    """A process set that was never registered or was removed (Horovod fails with a TypeError there)."""
+
+
+# Types a rank's rejected input may raise; its peers raise the same type (see negotiation.decide).
+REJECTION_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, NotImplementedError, ScalarInputError,
+                                                 TensorMismatchError, HorovodInternalError, UnsupportedOpError,
+                                                 UnregisteredProcessSetError)}
+
+
+def rejection_error(error_type: str, message: str) -> Exception:
+    return REJECTION_TYPES.get(error_type, HorovodInternalError)(message)
 
 
 def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
@@ -38,49 +67,15 @@ def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
             "(trainbridge.hvd then delegates to horovod.torch). Under torchrun, mpirun or plain python use "
             "op=hvd.Average (the default) or hvd.Sum")
     if op not in TORCH_REDUCE_OPS:
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
+        raise UnsupportedOpError(f"Reduction op type not supported: {op!r}; use hvd.Average, hvd.Sum, hvd.Min, "
+                                 f"hvd.Max or hvd.Product")
     return op
 
 
-class ProcessSet:
-    """Only the global process set exists here: every rank of the job.
-
-    Horovod's subsets (``add_process_set``) are not supported on the torch
-    backend; see "Not supported on the torch backend" in docs/MIGRATING_FROM_HOROVOD.md.
-    """
-
-    def __init__(self, ranks=None) -> None:
-        self.ranks = ranks
-        self.process_set_id = 0
-
-    def size(self) -> int:
-        from .process import size
-        return size()
-
-    def rank(self) -> int:
-        from .process import rank
-        return rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)"
-
-
-global_process_set = ProcessSet()
-
-
-def check_process_set(process_set: ProcessSet) -> None:
-    if process_set is not global_process_set:
-        raise NotImplementedError("process sets other than hvd.global_process_set need the real Horovod "
-                                  "(start the job with horovodrun); on the torch backend every op spans all ranks")
-
-
-def add_process_set(process_set, *args, **kwargs):
-    check_process_set(process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set))
-
-
-def remove_process_set(process_set) -> bool:
-    check_process_set(process_set)
-    return False
+def resolve_reducescatter_op(op: Optional[int]) -> int:
+    """Reducescatter's ops, as Horovod 0.28.1 allows them: Average (the default) and Sum."""
+    op = Average if op is None else op
+    if op not in (Average, Sum):
+        raise UnsupportedOpError(f"Reducescatter currently only supports AVERAGE and SUM (got "
+                                 f"{OP_NAMES.get(op, op)})")
+    return op

@@ -40,7 +40,6 @@ class DesignSafeTask(Task):
         self.classes: List[str] = []
         self.weights_path: Optional[str] = None
         self.workers = 0
-        self.batch_size = 1  # samples per rank and optimizer step
 
     def validate_config(self, cfg) -> None:
         """Options and data layout, checked on every rank before any process group starts."""
@@ -71,7 +70,6 @@ class DesignSafeTask(Task):
                          for split, folder in splits.items()}
         self.classes = list(self.datasets["train"].classes)
         # Cores per rank, as for the intra-op threads: this node's processes share them.
-        self.batch_size = cfg.batch_size * cfg.accumulate
         self.workers = cfg.workers if cfg.workers is not None else auto_workers(detect_launch().local_size)
         sizes = " / ".join(f"{len(d)} {split}" for split, d in self.datasets.items())
         synthetic = is_synthetic_sample(cfg.data_root)
@@ -94,12 +92,7 @@ class DesignSafeTask(Task):
         return self.datasets.get(split)
 
     def loader_options(self, split: str) -> Dict[str, Any]:
-        options: Dict[str, Any] = {"num_workers": self.workers}
-        if split == "train":
-            # A last batch of one sample is dropped: BatchNorm cannot train on it.
-            per_rank = -(-len(self.datasets["train"]) // max(1, detect_launch().world_size))
-            options["drop_last"] = per_rank % self.batch_size == 1 and per_rank > self.batch_size
-        return options
+        return {"num_workers": self.workers}
 
     def build_model(self, cfg) -> torch.nn.Module:
         model = build_classifier(cfg.model or self.default_model, len(self.classes), self.weights_path)

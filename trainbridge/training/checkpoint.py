@@ -90,3 +90,34 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], pat
                         f"unexpected keys: {short(unexpected)}; shape mismatches: {short(mismatched)}; "
                         f"use the --model it was trained with, or --resume never")
     model.load_state_dict(state)
+
+
+# What a run writes in --output-dir (fault-injection markers stay: they belong to the run being restarted).
+RUN_FILES = (LAST, PREVIOUS, BEST, "final.pt", "metrics.jsonl")
+RUN_FILE_PATTERNS = ("report_*.json", "confusion_*.png", "*.pt.corrupt")
+
+
+def set_aside_previous_run(output_dir: str, note: Callable[[str], None]) -> Optional[str]:
+    """Move an earlier run's files to ``DIR/previous-run-<time>/`` before a fresh start writes over them.
+
+    A fresh start (``--resume never``, or a checkpoint from elsewhere) must never
+    destroy the only good model. Returns the folder, or None when there was nothing.
+    """
+    import glob
+    import time
+
+    found = [os.path.join(output_dir, name) for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
+    for pattern in RUN_FILE_PATTERNS:
+        found += sorted(glob.glob(os.path.join(output_dir, pattern)))
+    if not found:
+        return None
+    base = aside = os.path.join(output_dir, "previous-run-" + time.strftime("%Y%m%d-%H%M%S"))
+    number = 1
+    while os.path.exists(aside):  # two fresh starts within a second
+        number += 1
+        aside = f"{base}.{number}"
+    os.makedirs(aside)
+    for path in found:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    note(f"[trainbridge] starting afresh: the earlier run's files in {output_dir} were moved to {aside}")
+    return aside

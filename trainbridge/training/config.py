@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from typing import Any, Dict, List, Optional
 
@@ -15,6 +16,7 @@ from ..errors import UserError
 from ..models import CLASSIFIERS, MODELS
 from ..tasks import TASKS, create_task
 
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0
 DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
 DEFAULT_DATA_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "trainbridge", "data")
 
@@ -49,6 +51,7 @@ class TrainConfig:
     resume: str = "auto"
     fail_at_step: Optional[int] = None
     fail_rank: int = 1
+    allow_option_changes: bool = False
     # Speed (see README "Performance"):
     amp: str = "off"
     compression: str = "none"
@@ -85,13 +88,25 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise UserError for values no run could use. Runs before any process group starts."""
+        task = create_task(self.task)
         checks = [
             (self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})"),
             (self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1 (got {self.max_steps})"),
-            (self.lr is None or self.lr > 0, f"--lr must be positive (got {self.lr})"),
+            (self.lr is None or (self.lr > 0 and math.isfinite(self.lr)),
+             f"--lr must be a positive finite number (got {self.lr})"),
+            (math.isfinite(self.momentum) and 0 <= self.momentum < 1, f"--momentum must be in [0, 1) (got {self.momentum})"),
+            (self.momentum == 0 or (self.optimizer or task.default_optimizer) == "sgd",
+             f"--momentum is an SGD option; --optimizer {self.optimizer or task.default_optimizer} has no momentum "
+             f"(drop --momentum, or add --optimizer sgd)"),
+            (math.isfinite(self.gamma) and self.gamma > 0, f"--gamma must be a positive finite number (got {self.gamma})"),
             (self.nproc >= 1, f"--nproc must be at least 1 (got {self.nproc})"),
-            (self.timeout > 0, f"--timeout must be positive (got {self.timeout})"),
+            (self.threads >= 0, f"--threads must be at least 0 (got {self.threads}; 0 = the cores shared among "
+                                f"local processes)"),
+            (MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT,
+             f"--timeout must be between {MIN_TIMEOUT:.0f} and {MAX_TIMEOUT:.0f} seconds (got {self.timeout}): it bounds "
+             f"every wait for another rank"),
+            (self.fail_rank >= 0, f"--fail-rank must be at least 0 (got {self.fail_rank})"),
             (self.warmup_steps >= 0, f"--warmup-steps must be at least 0 (got {self.warmup_steps})"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be at least 0 (got {self.checkpoint_every})"),
             (self.fail_at_step is None or self.fail_at_step >= 1,
@@ -108,7 +123,8 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        create_task(self.task).validate_config(self)  # the task's own options and data layout
+        task.validate_config(self)  # the task's own options and data layout
+        check_output_dir(self.output_dir)
         if self.data_root is not None and not os.path.isdir(self.data_root):
             raise UserError(f"--data-root {self.data_root} does not exist; create it or point to the "
                             f"folder that holds MNIST/ (omit it to use {DEFAULT_DATA_ROOT})")
@@ -116,6 +132,47 @@ class TrainConfig:
     @property
     def resolved_data_root(self) -> str:
         return self.data_root or DEFAULT_DATA_ROOT
+
+
+# Options that change what training computes: a resume with other values would silently
+# continue another run (--epochs and --max-steps may grow, the world size may change).
+# The batch counts as the global one (--batch-size x --accumulate x ranks): the same global
+# batch at another world size covers the same samples per step.
+TRAINING_OPTIONS = ("task", "model", "dataset", "lr", "optimizer", "scheduler", "momentum", "gamma", "plateau_patience",
+                    "scale_lr", "seed", "amp", "compression", "image_size", "no_pretrained", "pretrained_weights",
+                    "freeze_backbone", "task_options")
+
+
+def changed_options(saved: Dict[str, Any], saved_world_size: int, current: "TrainConfig", world_size: int) -> List[str]:
+    """``--name saved -> current`` for each training option that differs from the checkpoint's."""
+    changes = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(current, name)}" for name in TRAINING_OPTIONS
+               if name in saved and saved[name] != getattr(current, name)]
+    before = saved["batch_size"] * saved.get("accumulate", 1) * saved_world_size
+    now = current.batch_size * current.accumulate * world_size
+    if before != now:
+        changes.append(f"global batch (--batch-size x --accumulate x ranks) {before} -> {now}")
+    return changes
+
+
+def check_output_dir(path: str) -> None:
+    """``path`` is (or can become) a folder this process can write, checked before any training.
+
+    Probed with a real file: permission bits do not stop root, a read-only mount does.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"--output-dir {path}: {existing} is a file, not a folder; pass another --output-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(f"--output-dir {path} is not writable ({exc.strerror or exc}); pass a folder you can "
+                        f"write to") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write DIR/last.pt every N steps (default 0: at every epoch end only)")
     p.add_argument("--resume", default=d.resume,
                    help="auto (default): continue from DIR/last.pt when it exists; never; or a checkpoint PATH")
+    p.add_argument("--allow-option-changes", action="store_true",
+                   help="resume even though training options (--lr, --batch-size, ...) differ from the checkpoint's")
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="fault injection: one rank exits abruptly before step N, once (a marker file in DIR)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="the rank --fail-at-step kills (default 1)")

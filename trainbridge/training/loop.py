@@ -25,10 +25,11 @@ from ..api import Job
 from ..api.job import set_rng_state
 from ..errors import UserError
 from ..tasks import Task, create_task
-from .checkpoint import BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint
-from .config import TrainConfig
+from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
+                         set_aside_previous_run)
+from .config import TrainConfig, changed_options
 from .evaluation import evaluate, report_model
-from .fault_tolerance import Preempted, maybe_fail
+from .fault_tolerance import Divergence, Preempted, maybe_fail
 from .metrics import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .optimizers import fused_kernels, load_keeping_kernels
 from .rank_agreement import learning_rates_per_rank
@@ -73,7 +74,11 @@ def find_checkpoint(cfg: TrainConfig, job: Job) -> Optional[dict]:
     """
     def choose():
         try:
-            return "ok", choose_resume(cfg.resume, cfg.output_dir, note=job.print)[0]
+            path = choose_resume(cfg.resume, cfg.output_dir, note=job.print)[0]
+            own = [os.path.abspath(os.path.join(cfg.output_dir, name)) for name in (LAST, PREVIOUS)]
+            if path is None or os.path.abspath(path) not in own:  # a fresh start in this folder
+                set_aside_previous_run(cfg.output_dir, note=job.print)
+            return "ok", path
         except UserError as exc:
             return "error", str(exc)
 
@@ -84,11 +89,26 @@ def find_checkpoint(cfg: TrainConfig, job: Job) -> Optional[dict]:
         return None
     checkpoint = read_checkpoint(path)
     checkpoint["path"] = path
+    changes = changed_options(checkpoint["config"], checkpoint["world_size"], cfg, job.world_size)
+    if changes and not cfg.allow_option_changes:
+        raise UserError(f"{path} was trained with other options ({'; '.join(changes)}); resuming would mix two "
+                        f"runs: pass --allow-option-changes to continue with the new values, or --resume never to "
+                        f"start over (the old run is moved aside)", quiet=not job.is_main)
+    if changes:
+        job.print(f"[trainbridge] resuming with changed options (--allow-option-changes): {'; '.join(changes)}")
     return checkpoint
 
 
 def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = False) -> None:
-    """Write last.pt (and best.pt) on rank 0. Every rank must call it: job.save gathers the RNG states."""
+    """Write last.pt (and best.pt) on rank 0. Every rank must call it: job.save gathers the RNG states.
+
+    Weights that are no longer finite are never written over a finite checkpoint (every
+    rank holds the same weights, so every rank stops here).
+    """
+    if not all(torch.isfinite(v).all() for v in state.model.state_dict().values() if v.is_floating_point()):
+        raise UserError(f"the weights became NaN or infinite by step {state.progress.step}; "
+                        f"{cfg.output_dir}/{LAST} was not overwritten; lower --lr (now {cfg.lr})",
+                        quiet=not job.is_main)
     checkpoint = state.checkpoint(config=dataclasses.asdict(cfg), backend=job.backend.name,
                                   world_size=job.world_size, batch_size=cfg.batch_size * cfg.accumulate)
     job.save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
@@ -101,6 +121,10 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     started = time.time()
     task = create_task(cfg.task)
     cfg.apply_task_defaults(task)
+    if cfg.fail_at_step is not None and cfg.fail_rank >= job.world_size:
+        raise UserError(f"--fail-rank {cfg.fail_rank} does not exist in a job of {job.world_size} process(es), so "
+                        f"--fail-at-step would do nothing; use --fail-rank 0..{job.world_size - 1}",
+                        quiet=not job.is_main)
     with job.main_first():  # a download happens once, on the main rank
         source = task.prepare(cfg, note=job.print)
     job.print(f"[trainbridge] {source}; backend={job.backend.name} world_size={job.world_size} "
@@ -143,11 +167,19 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     run = Run(cfg, job, task, model, state, metrics, started)
 
     step_batch = cfg.batch_size * cfg.accumulate  # samples per rank and optimizer step
+    divergence = Divergence(job)
+
+    def diverged() -> str:
+        last = os.path.join(cfg.output_dir, LAST)
+        return (f"{last} is the last finite checkpoint; lower --lr (now {cfg.lr}) and resume with "
+                f"--allow-option-changes, or start over with --resume never" if os.path.exists(last) else
+                f"no checkpoint was written; lower --lr (now {cfg.lr})")
 
     def run_epochs() -> Dict[str, float]:
         # Re-entered by Horovod elastic after a failure: the world may have changed,
         # so the loader is built here, from the live job.
-        loader = job.train_loader(task.train_dataset, step_batch, seed=cfg.seed, **task.loader_options("train"))
+        loader = job.train_loader(task.train_dataset, step_batch, seed=cfg.seed,
+                                  **task.loader_options("train"), **batch_norm_options(model, cfg, task, job))
         row: Dict[str, float] = {}
         p = state.progress
         while p.epoch < cfg.epochs and not reached(cfg, p):
@@ -161,6 +193,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                 maybe_fail(cfg.fail_at_step, cfg.fail_rank, job.rank, p.step + 1, cfg.output_dir)
                 # DDP / Horovod hooks allreduce gradients during the (last) backward pass.
                 loss = train_step(images, labels)
+                divergence.record(loss, p.step + 1)
                 loss_sum += loss * len(labels)
                 seen += len(labels)
                 p.step += 1
@@ -168,17 +201,21 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                 p.position = loader.position
                 timer.tick(len(labels))
                 if p.step % cfg.log_every == 0:
+                    divergence.check(diverged)
                     set_postfix(bar, loss=loss.item())
                 if job.should_stop():
+                    divergence.check(diverged)
                     save_checkpoint(cfg, job, state)
                     raise Preempted(f"stopped by SIGTERM after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
                                     f"launch the same command again to resume")
                 if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
+                    divergence.check(diverged)
                     save_checkpoint(cfg, job, state)
                     job.commit(state)
                 if reached(cfg, p):
                     break
             job.drain_stop()
+            divergence.check(diverged)
             timer.pause()
             if loader.epoch > p.epoch or p.position >= loader.sampler.total_size:  # the epoch is complete
                 p.epoch, p.position = p.epoch + 1, 0
@@ -187,6 +224,19 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
 
     row = job.run_resilient(run_epochs, state)
     return run.finish({**row, **performance(timer, job)})
+
+
+def batch_norm_options(model: torch.nn.Module, cfg: TrainConfig, task: Task, job: Job) -> Dict[str, bool]:
+    """BatchNorm cannot train on one sample: refuse --batch-size 1, and drop a last batch of one."""
+    training_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not training_norms:
+        return {}
+    if cfg.batch_size == 1:
+        raise UserError(f"--batch-size 1 cannot train {cfg.model}: its BatchNorm layers need at least 2 samples per "
+                        f"batch; use --batch-size 2 or more", quiet=not job.is_main)
+    per_rank = -(-len(task.train_dataset) // job.world_size)  # the sampler pads to a multiple of the ranks
+    last = per_rank % (cfg.batch_size * cfg.accumulate) % cfg.batch_size
+    return {"drop_last": True} if last == 1 else {}
 
 
 def reached(cfg: TrainConfig, p: Progress) -> bool:

@@ -44,6 +44,7 @@ from .stop import StopSignal, Watchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 QUIET_RANK_GRACE_SECONDS = 10.0
+PEER_FAILURE_DELAY_SECONDS = 2.0
 T = TypeVar("T")
 RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
 
@@ -66,10 +67,15 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     # Before the data and the model exist, so that every buffer comes from the tuned heap.
     tuned, why = tune_malloc(malloc_tuning, os.environ)
     chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
+    # Joining waits on other processes and on the network: bounded like every other wait.
+    watchdog = Watchdog(timeout, env.rank)
+    watchdog.expect(f"start of the job under {env.launcher} (world size {env.world_size}; check that every rank "
+                    f"was started and that MASTER_PORT is not held by another program)", timeout + 5.0)
     chosen.init()
+    watchdog.disarm()  # until the loop's first step: data preparation may take long
     # Again: torch's init_process_group wraps the hook with one that captures stderr.
     sys.excepthook = _excepthook
-    job = _errors.job = Job(chosen)
+    job = _errors.job = Job(chosen, watchdog)
     job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
     return job
 
@@ -87,11 +93,11 @@ def _set_threads(requested: int, env: LaunchEnv) -> int:
 class Job:
     """This process's place in the job, and the operations a training loop needs."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, watchdog: Optional[Watchdog] = None) -> None:
         self.backend = backend
         self.amp = "off"
         self.scaler: Optional[torch.amp.GradScaler] = None
-        self.watchdog = Watchdog(backend.timeout, backend.rank)
+        self.watchdog = watchdog or Watchdog(backend.timeout, backend.rank)
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
 
     # ----- where this process is ------------------------------------------------
@@ -378,8 +384,7 @@ def describe(exc: BaseException) -> Optional[int]:
     """
     if isinstance(exc, UserError):
         if (_errors.job is None and detect_launch().rank != 0) or exc.quiet:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end this rank while it waits
+            _leave_on_sigterm()
             time.sleep(QUIET_RANK_GRACE_SECONDS)
         if not exc.quiet:
             report_error(str(exc))
@@ -387,8 +392,18 @@ def describe(exc: BaseException) -> Optional[int]:
     message = _errors.job.backend.describe_failure(exc) if _errors.job is not None else None
     if message is None:
         return None
+    # A peer's failure is the consequence of another rank's: let that rank's own line
+    # reach the launcher's summary first (torchrun names the earliest error as the cause).
+    _leave_on_sigterm()
+    time.sleep(PEER_FAILURE_DELAY_SECONDS)
     report_error(message)
     return 1
+
+
+def _leave_on_sigterm() -> None:
+    """While this rank waits to report, the launcher's SIGTERM ends it (the stop agreement's handler would not)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _excepthook(exc_type, exc, tb) -> None:

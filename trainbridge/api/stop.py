@@ -52,18 +52,29 @@ class Watchdog:
 
     Collective timeouts do not cover every stall: with Horovod's MPI controller,
     a frozen peer (e.g. SIGSTOP, a hung GPU) blocks the negotiation itself, and
-    the stall check never runs. The loop calls :meth:`beat` after each step and
-    evaluation batch; a daemon thread exits the process with one clear line when
-    the beats stop, so the launcher can tear the job down.
+    the stall check never runs; a TCP handshake with a program that is not the
+    rendezvous store can wait for ever. The loop calls :meth:`beat` after each step
+    and evaluation batch, and :func:`trainbridge.init` arms it around start-up; a
+    daemon thread exits the process with one clear line when the beats stop, so
+    the launcher can tear the job down.
     """
 
     def __init__(self, timeout: float, rank: int) -> None:
         self.timeout, self.rank = timeout, rank
+        self.limit = timeout
+        self.waiting = "training progress"
         self.last = time.monotonic()
         self.armed = False
         threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
 
     def beat(self) -> None:
+        self.last = time.monotonic()
+        self.limit, self.waiting = self.timeout, "training progress"
+        self.armed = True
+
+    def expect(self, waiting: str, seconds: float) -> None:
+        """Arm for one wait that must end within ``seconds`` (e.g. joining the job)."""
+        self.waiting, self.limit = waiting, seconds
         self.last = time.monotonic()
         self.armed = True
 
@@ -74,8 +85,8 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 10))
             idle = time.monotonic() - self.last
-            if self.armed and idle > self.timeout:
-                print(f"trainbridge: error: rank {self.rank}: no training progress for {idle:.0f}s "
+            if self.armed and idle > self.limit:
+                print(f"trainbridge: error: rank {self.rank}: no {self.waiting} for {idle:.0f}s "
                       f"(--timeout {self.timeout:.0f}); another rank probably died or stalled: see its log",
                       file=sys.stderr, flush=True)
                 os._exit(WATCHDOG_EXIT_CODE)

@@ -9,6 +9,7 @@ subclass plus one line in ``BACKENDS``.
 launcher           backend
 =================  =====================================================
 torchrun, spawn    torch
+env (env://)       torch
 horovodrun         horovod
 mpirun             horovod when ``horovod.torch`` imports, else torch
 srun               torch
@@ -33,7 +34,8 @@ BACKENDS: Dict[str, str] = {
     "local": "trainbridge.backends.local:LocalBackend",
 }
 
-AUTO_BY_LAUNCHER = {"torchrun": "torch", "spawn": "torch", "horovodrun": "horovod", "srun": "torch", "python": "local"}
+AUTO_BY_LAUNCHER = {"torchrun": "torch", "spawn": "torch", "env": "torch", "horovodrun": "horovod", "srun": "torch",
+                    "python": "local"}
 
 
 def horovod_importable() -> bool:

@@ -63,7 +63,7 @@ class HorovodBackend(Backend):
     name = "horovod"
 
     def check_launch(self) -> None:
-        if self.env.launcher in ("torchrun", "spawn"):
+        if self.env.launcher in ("torchrun", "spawn", "env"):
             # Horovod ignores torchrun's variables: each process would see size 1
             # and silently train its own model.
             raise UserError(

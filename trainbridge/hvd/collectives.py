@@ -232,7 +232,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         values = (values / set_size) if op == Average else values
         if indices.dim() == 0 or values.dim() == 0:
             return tensor.new().resize_as_(tensor)
-        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, tensor.size())
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, tensor.size(), check_invariants=False)
 
     return handle
 

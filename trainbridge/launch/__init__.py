@@ -7,7 +7,8 @@ Detection order (first match wins):
 2. ``horovodrun``   -- horovodrun in Gloo mode (HOROVOD_RANK/HOROVOD_SIZE).
 3. ``mpi``          -- mpirun/mpiexec (Open MPI, MPICH), and horovodrun --mpi.
 4. ``slurm``        -- an srun job step.
-5. plain python     -- one process.
+5. ``env_vars``     -- WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT set by hand (env://: Kubeflow, scripts).
+6. plain python     -- one process.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import os
 import sys
 from typing import Mapping, Optional
 
-from . import horovodrun, mpi, slurm, torchelastic
+from . import env_vars, horovodrun, mpi, slurm, torchelastic
 from .environment import LaunchEnv
 from .rendezvous import rendezvous_address
 
-DETECTORS = (torchelastic, horovodrun, mpi, slurm)
+DETECTORS = (torchelastic, horovodrun, mpi, slurm, env_vars)
 
 
 def report_error(message: str) -> None:

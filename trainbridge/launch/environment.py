@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 class LaunchEnv:
     """Rank layout as announced by the launcher, before any backend starts."""
 
-    launcher: str  # "torchrun", "horovodrun", "mpirun", "srun", "spawn" or "python"
+    launcher: str  # "torchrun", "horovodrun", "mpirun", "srun", "spawn", "env" or "python"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -79,6 +79,8 @@ def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> 
     environ = os.environ if environ is None else environ
     if env.master_addr and env.master_port:
         return env.master_addr, env.master_port
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):  # exported by the user (mpirun -x, a wrapper)
+        return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     if env.world_size == 1:
         return "127.0.0.1", free_port()
     if env.launcher == "mpirun":
@@ -104,8 +106,11 @@ def open_store(env: LaunchEnv, timeout: float):
                               timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
         return dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise UserError(f"rank 0 cannot serve the rendezvous on port {port} of {addr}: another program holds it "
+                            f"({first_line(exc)}); choose a free MASTER_PORT") from None
         raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {timeout:.0f}s: "
-                        f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
+                        f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running") from None
 
 
 def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:

@@ -1,0 +1,30 @@
+"""The plain ``env://`` contract: WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT set by hand.
+
+Kubeflow's PyTorchJob, many cluster wrappers and hand-written launch scripts
+start each process this way, without torchrun. Missed, every process would run
+alone as a one-process job and train its own model. LOCAL_RANK and
+LOCAL_WORLD_SIZE are read when given; otherwise each process is taken to be
+alone on its host (one process per pod or node).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from .environment import LaunchEnv, read_int
+
+REQUIRED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
+    if not all(environ.get(name) for name in REQUIRED):
+        return None
+    return LaunchEnv(
+        launcher="env",
+        rank=read_int(environ, "RANK"),
+        world_size=read_int(environ, "WORLD_SIZE"),
+        local_rank=read_int(environ, "LOCAL_RANK", default=0),
+        local_size=read_int(environ, "LOCAL_WORLD_SIZE", default=1),
+        node_rank=read_int(environ, "GROUP_RANK", "NODE_RANK", default=0),
+        master_addr=environ["MASTER_ADDR"],
+        master_port=read_int(environ, "MASTER_PORT"),
+    )

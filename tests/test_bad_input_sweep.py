@@ -203,3 +203,16 @@ def test_port_held_by_another_program_does_not_hang(tmp_path):
     assert len(errors[0]) == 1 and f"port {port}" in errors[0][0] and "another program holds it" in errors[0][0]
     assert len(errors[1]) == 1 and "MASTER_PORT is not held by another program" in errors[1][0]
     assert not any("Traceback" in err for _, err in outputs)
+
+
+# ----- 11. a failure on rank 0 reaches torchrun's summary as rank 0's own line ----------------------------
+def test_rank0_failure_is_torchruns_root_cause(tmp_path):
+    from conftest import torchrun
+
+    # Only rank 0 writes checkpoints: a file-size limit fails its first write, mid-training.
+    limited = ["bash", "-c", 'ulimit -f 512; trap "" XFSZ; exec "$@"', "bash",
+               *torchrun(2, [*QUICK, "--max-steps", "12", "--checkpoint-every", "5", "--output-dir", str(tmp_path)])]
+    result = run(limited, timeout=180)
+    assert result.returncode != 0
+    root = result.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 0" in root and "trainbridge: error: cannot write the checkpoint" in root, result.stderr

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine (see ../shared/ENVIRONMENT.md):
-#   1. Open MPI from Debian, when mpirun is missing;
+#   1. Open MPI from Debian, when mpirun is missing; SLURM and sshd for the
+#      two-host tests, when missing;
 #   2. .venv with torch==2.13.0, torchvision==0.28.0 (made importable on the CPU
 #      torch), mpi4py and Horovod 0.28.1 built from the sdist with the C++17 fix;
 #   3. trainbridge itself, editable.
@@ -23,6 +24,23 @@ if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; th
     log "installing Open MPI from Debian packages"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+
+# --- 1b. SLURM and sshd for the two-host tests (tests/test_multihost.py) -------
+# The tests run their own slurmctld/slurmd and sshd inside network namespaces;
+# Debian's packages start nothing here (no systemd). Skipped where apt-get is
+# missing or the user is neither root nor a sudoer: the tests then skip with a reason.
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
+   || ! command -v srun >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; }; then
+        log "installing SLURM (slurmctld, slurmd, client) and openssh-server from Debian packages"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+            slurmctld slurmd slurm-client openssh-server openssh-client iproute2 util-linux >/dev/null
+    else
+        log "SLURM/sshd not installed (no apt-get or no root): the two-host tests will skip"
+    fi
 fi
 
 # --- 2. virtual environment --------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from conftest import PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
 from multihost.hosts import CIDR, IFACE, Host, TwoHosts, missing_requirements, remove_leftovers
 from multihost.jobs import HostProcess, wait_all
+from multihost.openmpi import mpirun_flags, write_rsh_agent
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
@@ -110,3 +111,18 @@ def test_torchrun_across_hosts_matches_one_host(rendezvous, hosts, references, t
         assert_matches(references, tmp_path, f"torchrun {rendezvous}", program)
         if program == "parity":  # really on two hosts: no shared-memory exchange between them
             assert "the ranks are on several hosts" in procs[0].output()
+
+
+# ----- mpirun (Open MPI, no ssh) -------------------------------------------------------
+@pytest.fixture(scope="module")
+def rsh_agent(hosts, tmp_path_factory) -> Path:
+    return write_rsh_agent(hosts.hosts, tmp_path_factory.mktemp("openmpi") / "rsh_agent")
+
+
+@pytest.mark.parametrize("backend", ["torch", "horovod"])
+def test_mpirun_across_hosts_matches_one_host(backend, hosts, rsh_agent, references, tmp_path):
+    a = hosts.hosts[0]
+    for program, args in programs(tmp_path).items():
+        cmd = ["mpirun", *mpirun_flags(hosts.hosts, rsh_agent), PYTHON, *args, "--backend", backend]
+        on_hosts({a: cmd}, tmp_path / f"logs-{program}")
+        assert_matches(references, tmp_path, f"mpirun --backend {backend}", program)

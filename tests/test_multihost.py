@@ -21,10 +21,11 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
 from multihost.hosts import CIDR, IFACE, Host, TwoHosts, missing_requirements, remove_leftovers
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
+from multihost.sshd import SSHD, SshdPerHost
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
@@ -126,3 +127,22 @@ def test_mpirun_across_hosts_matches_one_host(backend, hosts, rsh_agent, referen
         cmd = ["mpirun", *mpirun_flags(hosts.hosts, rsh_agent), PYTHON, *args, "--backend", backend]
         on_hosts({a: cmd}, tmp_path / f"logs-{program}")
         assert_matches(references, tmp_path, f"mpirun --backend {backend}", program)
+
+
+# ----- horovodrun (over a test sshd) ---------------------------------------------------
+@pytest.fixture(scope="module")
+def sshd(hosts, tmp_path_factory):
+    if not os.path.exists(SSHD):
+        pytest.skip(f"{SSHD} is missing: scripts/setup.sh installs openssh-server")
+    with SshdPerHost(hosts.hosts, tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("mode", ["gloo", "mpi"])
+def test_horovodrun_across_hosts_matches_one_host(mode, hosts, sshd, references, tmp_path):
+    a = hosts.hosts[0]
+    for program, args in programs(tmp_path).items():
+        cmd = [HOROVODRUN, "-np", "2", "-H", ",".join(f"{h.name}:1" for h in hosts.hosts), f"--{mode}",
+               *sshd.horovodrun_flags(), PYTHON, *args]
+        on_hosts({a: cmd}, tmp_path / f"logs-{program}", env={"PATH": sshd.path()})
+        assert_matches(references, tmp_path, f"horovodrun --{mode}", program)

@@ -2,12 +2,14 @@
 import pytest
 import torch
 
+from trainbridge.errors import UserError
 from trainbridge.hvd import delegation
 from trainbridge.hvd.compression import Compression
 from trainbridge.hvd.elastic import commit_file
 from trainbridge.hvd.engine import scaled
 from trainbridge.hvd.negotiation import Announcement, Message, NegotiationTable
-from trainbridge.hvd.reduce_ops import Adasum, Average, Max, Sum, resolve_op
+from trainbridge.hvd.process_sets import check_static_sets
+from trainbridge.hvd.reduce_ops import Adasum, Average, HorovodInternalError, Max, Sum, rejection_error, resolve_op
 
 FLOAT_17 = Announcement("allreduce", ((17,),), ("torch.float32",))
 
@@ -21,7 +23,7 @@ def test_an_operation_is_ready_once_every_rank_named_it_in_any_order():
     table = NegotiationTable(2)
     outcome = cycle(table, [("a", FLOAT_17), ("b", FLOAT_17)], [("b", FLOAT_17)])
     assert [d.name for d in outcome.ready] == ["b"] and outcome.ready[0].error is None
-    assert list(table.pending) == ["a"]
+    assert list(table.pending) == [(0, "a")]  # (process set id, name)
     outcome = cycle(table, [], [("a", FLOAT_17)])
     assert [d.name for d in outcome.ready] == ["a"] and not table.pending
 
@@ -65,12 +67,56 @@ def test_joined_ranks_answer_allreduce_but_not_other_operations():
     assert outcome.join_completed_by == 2 and table.joined == []
 
 
+def test_process_set_operations_wait_for_the_members_only_and_names_are_per_set():
+    table = NegotiationTable(3)
+    table.members[1] = (0, 2)
+    in_set = Announcement("allreduce", ((17,),), ("torch.float32",), process_set=1)
+    outcome = cycle(table, [("g", in_set), ("g", FLOAT_17)], [("g", FLOAT_17)], [("g", in_set)])
+    assert [(d.process_set, d.name) for d in outcome.ready] == [(1, "g")] and outcome.ready[0].error is None
+    assert list(table.pending) == [(0, "g")]  # the global "g" still waits for rank 2
+    outcome = cycle(table, [], [], [("g", FLOAT_17)])
+    assert [(d.process_set, d.name) for d in outcome.ready] == [(0, "g")]
+
+
+def test_a_rank_that_rejects_its_input_fails_the_operation_on_every_rank_with_its_type():
+    table = NegotiationTable(2)
+    rejected = Announcement("reducescatter", error=("ScalarInputError", "Reducescatter does not support scalars"))
+    good = Announcement("reducescatter", ((4,),), ("torch.float32",))
+    decision = cycle(table, [("r", rejected)], [("r", good)]).ready[0]
+    assert decision.error_type == "ScalarInputError" and "rank 0: Reducescatter does not support" in decision.error
+    error = rejection_error(decision.error_type, decision.error)
+    assert isinstance(error, ValueError) and isinstance(error, IndexError)  # Horovod: ValueError / IndexError
+    assert isinstance(rejection_error("TensorMismatchError", "x"), HorovodInternalError)
+
+
+def test_ranks_that_add_different_process_sets_all_get_value_error():
+    table = NegotiationTable(2)
+    decision = cycle(table, [("add.1", Announcement("add_process_set", ranks=(0,)))],
+                     [("add.1", Announcement("add_process_set", ranks=(1,)))]).ready[0]
+    assert decision.error_type == "ValueError" and "rank 0 has [0], rank 1 has [1]" in decision.error
+
+
+def test_static_process_sets_must_agree_and_be_distinct():
+    check_static_sets([[(0,), (1, 2)], [(0,), (1, 2)], [(0,), (1, 2)]], 3)
+    with pytest.raises(ValueError, match=r"different process sets: rank 0 has \[\[0\]\]; rank 1 has \[\[1\]\]"):
+        check_static_sets([[(0,)], [(1,)]], 2)
+    with pytest.raises(ValueError, match="entry number 1 is a duplicate"):
+        check_static_sets([[(0,), (0,)]] * 2, 2)
+    with pytest.raises(ValueError, match="entry number 0 is a duplicate"):
+        check_static_sets([[(0, 1)]] * 2, 2)  # the global set
+    with pytest.raises(ValueError, match="not a set of distinct ranks"):
+        check_static_sets([[(0, 5)]] * 2, 2)
+
+
 def test_shutdown_of_any_rank_is_reported():
     table = NegotiationTable(2)
     assert cycle(table, Message([], shutdown=True), Message([])).shutdown_by == [0]
 
 
 def test_horovod_scaling_rules():
+    floats = torch.tensor([7.0, 11.0, 1e-3])
+    # Horovod's ScaleBuffer casts the factor to float for float32 tensors: float32 arithmetic.
+    assert torch.equal(scaled(floats, 1 / 3), floats * torch.tensor(1 / 3, dtype=torch.float32))
     ints = torch.tensor([-3, 3, 5], dtype=torch.int32)
     assert scaled(ints, 0.5).tolist() == [-1, 1, 2]  # float64, truncated (as horovod.torch 0.28.1)
     assert scaled(torch.ones(2, dtype=torch.float16), 1 / 3).dtype == torch.float16
@@ -106,6 +152,15 @@ def test_fp16_compression_roundtrip():
 def test_delegation_follows_the_launcher(monkeypatch, environ, ancestors, real):
     monkeypatch.setattr(delegation, "ancestor_commands", lambda: iter(ancestors))
     assert delegation.use_real_horovod(environ) is real
+
+
+def test_real_horovod_is_refused_under_torchrun():
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "2", "TRAINBRIDGE_HVD_BACKEND": "horovod"}
+    with pytest.raises(UserError, match=r"TRAINBRIDGE_HVD_BACKEND=horovod cannot run under torchrun: Horovod would "
+                                        r"see size 1 in each of the 2 processes; launch with horovodrun -np 2"):
+        delegation.use_real_horovod(torchrun)
+    assert delegation.use_real_horovod({**torchrun, "TRAINBRIDGE_HVD_BACKEND": "torch"}) is False
 
 
 def test_commit_file_only_under_torchrun():

@@ -180,8 +180,14 @@ def test_allreduce_prescale():
         factor = np.random.uniform()
         tensor = torch.FloatTensor(*([17] * dim)).random_(-100, 100).to(dtype)
         summed = hvd.allreduce(tensor, average=False, prescale_factor=factor)
-        summed, multiplied = fp32(summed, _scale_reference(tensor, factor, dtype))
-        assert torch.allclose(summed, multiplied * size, threshold(dtype)), dtype
+        scaled = _scale_reference(tensor, factor, dtype)
+        # The sum of `size` equal terms in the tensor's own dtype: Horovod's `multiplied * size` in float32
+        # is the same for 2 ranks, but a float16 sum of 3 rounds where float32 does not.
+        expected = scaled.clone()
+        for _ in range(size - 1):
+            expected = expected + scaled
+        summed, expected = fp32(summed, expected)
+        assert torch.allclose(summed, expected, threshold(dtype)), dtype
 
 
 def test_allreduce_postscale():
@@ -892,19 +898,22 @@ def test_sync_batch_norm():
         torch.stack([torch.tensor([[r + 1], [r * 2 + 1], [r * 3 + 1], [r * 4 + 1]]) for r in range(hvd.size())]),
     ]
     for ts in ts_list:
-        sync_bn, bn = hvd.SyncBatchNorm(num_features=4), torch.nn.BatchNorm1d(num_features=4)
+        # The reference BatchNorm runs in float64: with 3 ranks the middle rank's values sit on the mean,
+        # where a float32 reference is off by an ulp (-6e-8 instead of 0) and a relative tolerance cannot help.
+        sync_bn, bn = hvd.SyncBatchNorm(num_features=4), torch.nn.BatchNorm1d(num_features=4).double()
         ts = ts.float()
-        ts1, ts2 = ts.clone().requires_grad_(), ts.clone().requires_grad_()
+        ts1, ts2 = ts.clone().requires_grad_(), ts.double().requires_grad_()
         sync_bn_out = sync_bn(ts1[hvd.rank()].unsqueeze(0))
         bn_out = bn(ts2)
-        assert torch.allclose(sync_bn_out, bn_out[hvd.rank()].unsqueeze(0), 1e-6)
-        assert torch.allclose(sync_bn.running_mean, bn.running_mean, 1e-6)
-        assert torch.allclose(sync_bn.running_var, bn.running_var, 1e-6)
+        assert torch.allclose(sync_bn_out, bn_out[hvd.rank()].unsqueeze(0).float(), 1e-6)
+        assert torch.allclose(sync_bn.running_mean, bn.running_mean.float(), 1e-6)
+        assert torch.allclose(sync_bn.running_var, bn.running_var.float(), 1e-6)
         sync_bn_out.sum().backward()
         bn_out.mean(dim=0).sum().backward()
-        assert torch.allclose(hvd.allreduce(sync_bn.weight.grad, name="sync_bn.weight.grad"), bn.weight.grad, 1e-6)
-        assert torch.allclose(hvd.allreduce(sync_bn.bias.grad, name="sync_bn.bias.grad"), bn.bias.grad, 1e-6)
-        assert torch.allclose(hvd.allreduce(ts1.grad, name="ts1.grad"), ts2.grad, 1e-5)
+        assert torch.allclose(hvd.allreduce(sync_bn.weight.grad, name="sync_bn.weight.grad"), bn.weight.grad.float(),
+                              1e-6)
+        assert torch.allclose(hvd.allreduce(sync_bn.bias.grad, name="sync_bn.bias.grad"), bn.bias.grad.float(), 1e-6)
+        assert torch.allclose(hvd.allreduce(ts1.grad, name="ts1.grad"), ts2.grad.float(), 1e-5)
 
 
 # ----- process sets (Horovod's *_process_sets tests; every rank adds the even and the odd set) -------------
@@ -1100,8 +1109,10 @@ def test_process_set_queries_and_errors():
 def test_static_process_sets():
     """hvd.init(process_sets=[...]): Horovod's test_process_sets_static (duplicates fail init on every rank)."""
     multi_rank_only()
-    if hvd.mpi_enabled():
-        raise NotApplicable("Horovod cannot be re-initialized under MPI")
+    if hvd.using_real_horovod:
+        # Horovod's own test runs in a fresh process; a second hvd.init() of the real Horovod under
+        # horovodrun --gloo hangs now and then (2 of 6 tries of init/allreduce/shutdown/init here).
+        raise NotApplicable("the real Horovod's re-init under horovodrun hangs intermittently")
     rank, size = hvd.rank(), hvd.size()
     hvd.shutdown()
     middle = range(size - 1, 0, -1) if rank else range(1, size)  # the order inside a set does not matter
@@ -1183,34 +1194,52 @@ def test_sparse_embeddings():
 
 
 # ----- rejected inputs: Horovod's exception types, on every rank, and the engine keeps working ----------
-REJECTED_INPUTS = [
-    # (label, call, exception types that Horovod 0.28.1 raises, applies to the real Horovod)
-    ("allgather_scalar", lambda: hvd.allgather(torch.tensor(1.0)), (IndexError,), True),
-    ("grouped_allgather_scalar", lambda: hvd.grouped_allgather([torch.zeros(3, 1), torch.tensor(1.0)]),
-     (IndexError,), True),
-    ("reducescatter_scalar", lambda: hvd.reducescatter(torch.tensor(1.0)), (ValueError,), True),
-    ("grouped_reducescatter_scalar", lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(1.0)]),
-     (ValueError,), True),
-    ("alltoall_scalar", lambda: hvd.alltoall(torch.tensor(1.0)), (ValueError,), False),  # Horovod segfaults
-    ("complex_dtype", lambda: hvd.allreduce(torch.zeros(3, dtype=torch.complex64)), (ValueError,), True),
-    ("not_contiguous", lambda: hvd.allreduce(torch.zeros(3, 4).t()), (ValueError,), True),
-    ("sparse_to_allreduce", lambda: hvd.allreduce(torch.zeros(3, 4).to_sparse()), (ValueError,), True),
-    ("unknown_op", lambda: hvd.allreduce(torch.zeros(3), op=42), (hvd.HorovodInternalError,), True),
-    ("broadcast_root_out_of_range", lambda: hvd.broadcast(torch.zeros(3), hvd.size()), (ValueError,), True),
-    ("broadcast_negative_root", lambda: hvd.broadcast(torch.zeros(3), -1), (ValueError,), True),
-    ("reducescatter_min", lambda: hvd.reducescatter(torch.zeros(4), op=hvd.Min), (hvd.HorovodInternalError,), True),
-    ("alltoall_splits_length", lambda: hvd.alltoall(torch.zeros(4), splits=[1] * (hvd.size() + 1)),
-     (ValueError,), True),
-    ("alltoall_splits_sum", lambda: hvd.alltoall(torch.zeros(4), splits=[5] * hvd.size()), (ValueError,), True),
-    ("unregistered_process_set", lambda: hvd.allreduce(torch.zeros(3), process_set=hvd.ProcessSet([0])),
-     (TypeError,), True),
-]
+def _complex(name):
+    return hvd.allreduce(torch.zeros(3, dtype=torch.complex64), name=name)
+
+
+# label: (the rejected call, a valid call of the same operation, the types Horovod 0.28.1 raises,
+#         whether the real Horovod gets through it: it segfaults on a scalar given to alltoall)
+REJECTED_INPUTS = {
+    "allgather_scalar": (lambda n: hvd.allgather(torch.tensor(1.0), name=n),
+                         lambda n: hvd.allgather(torch.ones(2), name=n), (IndexError,), True),
+    "grouped_allgather_scalar": (lambda n: hvd.grouped_allgather([torch.zeros(3, 1), torch.tensor(1.0)], name=n),
+                                 lambda n: hvd.grouped_allgather([torch.zeros(3, 1), torch.ones(1)], name=n),
+                                 (IndexError,), True),
+    "reducescatter_scalar": (lambda n: hvd.reducescatter(torch.tensor(1.0), name=n),
+                             lambda n: hvd.reducescatter(torch.ones(4), name=n), (ValueError,), True),
+    "grouped_reducescatter_scalar": (
+        lambda n: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(1.0)], name=n),
+        lambda n: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.ones(2)], name=n), (ValueError,), True),
+    "alltoall_scalar": (lambda n: hvd.alltoall(torch.tensor(1.0), name=n),
+                        lambda n: hvd.alltoall(torch.ones(hvd.size()), name=n), (ValueError,), False),
+    "complex_dtype": (_complex, lambda n: hvd.allreduce(torch.zeros(3), name=n), (ValueError,), True),
+    "not_contiguous": (lambda n: hvd.allreduce(torch.zeros(3, 4).t(), name=n),
+                       lambda n: hvd.allreduce(torch.zeros(4, 3), name=n), (ValueError,), True),
+    "sparse_to_allreduce": (lambda n: hvd.allreduce(torch.zeros(3, 4).to_sparse(), name=n),
+                            lambda n: hvd.allreduce(torch.zeros(3, 4), name=n), (ValueError,), True),
+    "unknown_op": (lambda n: hvd.allreduce(torch.zeros(3), op=42, name=n),
+                   lambda n: hvd.allreduce(torch.zeros(3), name=n), (hvd.HorovodInternalError,), True),
+    "broadcast_root_out_of_range": (lambda n: hvd.broadcast(torch.zeros(3), hvd.size(), name=n),
+                                    lambda n: hvd.broadcast(torch.zeros(3), 0, name=n), (ValueError,), True),
+    "broadcast_negative_root": (lambda n: hvd.broadcast(torch.zeros(3), -1, name=n),
+                                lambda n: hvd.broadcast(torch.zeros(3), 0, name=n), (ValueError,), True),
+    "reducescatter_min": (lambda n: hvd.reducescatter(torch.zeros(4), op=hvd.Min, name=n),
+                          lambda n: hvd.reducescatter(torch.zeros(4), name=n), (hvd.HorovodInternalError,), True),
+    "alltoall_splits_length": (lambda n: hvd.alltoall(torch.zeros(4), splits=[1] * (hvd.size() + 1), name=n),
+                               lambda n: hvd.alltoall(torch.zeros(hvd.size()), name=n), (ValueError,), True),
+    "alltoall_splits_sum": (lambda n: hvd.alltoall(torch.zeros(4), splits=[5] * hvd.size(), name=n),
+                            lambda n: hvd.alltoall(torch.zeros(hvd.size()), name=n), (ValueError,), True),
+    "unregistered_process_set": (lambda n: hvd.allreduce(torch.zeros(3), name=n, process_set=hvd.ProcessSet([0])),
+                                 lambda n: hvd.allreduce(torch.zeros(3), name=n), (TypeError,), True),
+}
 
 
 def test_rejected_inputs_raise_horovods_types():
-    for label, call, errors, horovod_too in REJECTED_INPUTS:
+    for label, (bad, _, errors, horovod_too) in REJECTED_INPUTS.items():
         if horovod_too or not hvd.using_real_horovod:
-            expect_error(call, *errors)
+            expect_error(lambda: bad(None), *errors)  # unnamed: the numbering must stay aligned
+            expect_error(lambda: bad(f"rejected.{label}"), *errors)
     # Nothing is left pending: unnamed operations keep their numbering, the engine keeps working.
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
     assert hvd.allgather(torch.ones(1)).tolist() == [1.0] * hvd.size()
@@ -1218,27 +1247,16 @@ def test_rejected_inputs_raise_horovods_types():
 
 
 def test_rejected_input_on_one_rank_fails_every_rank():
-    """Horovod leaves the ranks with a valid input waiting for ever; here they raise the same type."""
+    """Horovod leaves the ranks with a valid input waiting for ever; here every rank raises the same type."""
     multi_rank_only()
     if hvd.using_real_horovod:
         raise NotApplicable("the real Horovod waits for ever when only one rank's input is rejected")
-    bad = hvd.rank() == 0
-    for label, call, errors, _ in [
-            ("reducescatter", lambda: hvd.reducescatter(torch.tensor(1.0) if bad else torch.ones(4), name="one.rs"),
-             (ValueError,), None),
-            ("allgather", lambda: hvd.allgather(torch.tensor(1.0) if bad else torch.ones(2), name="one.ag"),
-             (IndexError,), None),
-            ("dtype", lambda: hvd.allreduce(torch.zeros(3, dtype=torch.complex64 if bad else torch.float32),
-                                            name="one.dtype"), (ValueError,), None),
-            ("root", lambda: hvd.broadcast(torch.zeros(3), 99 if bad else 0, name="one.root"), (ValueError,), None),
-            ("op", lambda: hvd.allreduce(torch.zeros(3), op=42 if bad else hvd.Sum, name="one.op"),
-             (hvd.HorovodInternalError,), None),
-            ("unnamed", lambda: hvd.reducescatter(torch.tensor(1.0) if bad else torch.ones(4)), (ValueError,), None)]:
+    for label, (bad, valid, errors, _) in REJECTED_INPUTS.items():
+        call = bad if hvd.rank() == 0 else valid
         started = time.monotonic()
-        expect_error(call, *errors)
+        expect_error(lambda: call(f"one_rank.{label}"), *errors)
         assert time.monotonic() - started < 10, (label, time.monotonic() - started)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
-
 
 # ----- join (last: ranks issue different operations, which would shift the auto-generated
 # names of every later unnamed operation, in the real Horovod as here) ----------------------
@@ -1249,8 +1267,12 @@ def test_join_allreduce():
         torch.manual_seed(1234)
 
         def div(t, s):
-            # 0.28.1 truncates integer averages (its test's floor_divide truncated in torch < 1.13).
-            return torch.div(t, s, rounding_mode="trunc") if dtype in INT_TYPES else t / s
+            # 0.28.1 truncates integer averages (its test's floor_divide truncated in torch < 1.13), and
+            # averages floats by multiplying with 1/size in the tensor's dtype (ScaleBuffer): with 3 ranks
+            # that differs from t / 3 in the last bit, with 2 it does not.
+            if dtype in INT_TYPES:
+                return torch.div(t, s, rounding_mode="trunc")
+            return t * torch.tensor(1.0 / s, dtype=dtype)
 
         tensor_a = torch.FloatTensor(*([5] * dim)).random_(-100, 100).to(dtype)
         tensor_b = torch.FloatTensor(*([17] * dim)).random_(-100, 100).to(dtype)

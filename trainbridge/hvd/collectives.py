@@ -74,8 +74,12 @@ class _Target:
 def _validating(kind: str, name: Optional[str], process_set: ProcessSet) -> Iterator[_Target]:
     """Checks of one operation's input; a rejection is announced to the peers, then raised here."""
     engine = runtime().engine
-    # A rank outside the set (or an unregistered set) has no peers to tell: it just raises.
-    set_id, members = set_ranks(process_set, engine.rank)
+    try:
+        set_id, members = set_ranks(process_set, engine.rank)
+    except ValueError as exc:
+        # Not a member, or not registered: the peers that may wait for this name are in the global set.
+        engine.reject(name, kind, 0, exc)
+        raise
     try:
         yield _Target(engine, set_id, members)
     except REJECTED as exc:

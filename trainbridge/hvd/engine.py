@@ -153,6 +153,7 @@ class Engine:
         self._stall_shutdown_s = stall_shutdown_s
         self._thread = threading.Thread(target=self._loop, name="trainbridge-hvd-engine", daemon=True)
         self._thread.start()
+        self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="trainbridge-hvd-stall-check", daemon=True)
         self._watchdog.start()
 
@@ -220,10 +221,14 @@ class Engine:
             self._shutdown_requested = self._shutdown_requested or True
             self._cv.notify_all()
         self._thread.join()
+        self._stopped.set()
+        self._watchdog.join()
         for set_id, groups in list(self._set_groups.items()):
             if set_id != 0:
                 self._destroy_groups(groups)
-        self._set_groups = {0: self._set_groups[0]}
+        # No reference to a process group outlives shutdown(): a gloo group freed later, during
+        # interpreter exit, can abort the process from its worker threads.
+        self._set_groups, self._control, self._cuda = {}, None, None
 
     def _raise_if_closed(self) -> None:
         if self._closed is not None:
@@ -262,7 +267,7 @@ class Engine:
                           f"for ever (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / TRAINBRIDGE_HVD_TIMEOUT)")
             else:
                 reason = (f"a collective failed on rank {self.rank} ({type(exc).__name__}: {first_line(exc)}); "
-                          f"a peer probably exited or lost its connection")
+                          f"a peer probably exited or lost its connection (or this rank failed: see the cause)")
             error = HorovodInternalError(reason)
             error.__cause__ = exc
             self._close(error)
@@ -304,8 +309,7 @@ class Engine:
     def _watch(self) -> None:
         """Report stalled operations and, past the shutdown limit, shut the job down (see the docstring)."""
         period = max(0.05, min(1.0, (self._stall_s or 1.0) / 4, (self._stall_shutdown_s or 1.0) / 4))
-        while self._thread.is_alive():
-            time.sleep(period)
+        while self._thread.is_alive() and not self._stopped.wait(period):
             now = time.monotonic()
             if self._stall_s is not None:
                 with self._cv:

@@ -1,8 +1,8 @@
 """``hvd.SyncBatchNorm``: batch statistics over the whole global batch, on CPU and GPU.
 
-The mean and variance are computed from sums allreduced over all ranks (two
-passes: the mean first, then the centred squares, which is more accurate than
-E[x^2] - E[x]^2). Because our allreduce is differentiable (the gradient of a Sum
+The mean and variance are computed from per-channel sums allreduced over all
+ranks in float64 (two passes: the mean first, then the centred squares, which is
+more accurate than E[x^2] - E[x]^2). Because our allreduce is differentiable (the gradient of a Sum
 allreduce is the Sum allreduce of the gradient), autograd derives the same
 backward pass as Horovod's hand-written one: input gradients include every
 rank's contribution through the shared statistics, weight and bias gradients
@@ -41,13 +41,15 @@ class SyncBatchNorm(_BatchNorm):
 
         dims = [0] + list(range(2, input.dim()))
         shape = [1, -1] + [1] * (input.dim() - 2)
-        count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype, device=input.device)
-        # Global sum and element count per channel in one allreduce, then the global mean.
-        totals = allreduce(torch.cat([input.sum(dims), count]), op=Sum)
+        count = torch.tensor([input.numel() / input.shape[1]], dtype=torch.float64, device=input.device)
+        # Global sum and element count per channel in one allreduce, then the global mean. The
+        # per-channel sums cross ranks in float64, so the statistics do not depend on the order in
+        # which the ranks' sums are added (a float32 ring sum of 3 ranks may round differently).
+        totals = allreduce(torch.cat([input.sum(dims).double(), count]), op=Sum)
         total_count = totals[-1]
-        mean = totals[:-1] / total_count
+        mean = (totals[:-1] / total_count).to(input.dtype)
         centred = input - mean.view(shape)
-        var = allreduce((centred * centred).sum(dims), op=Sum) / total_count
+        var = (allreduce((centred * centred).sum(dims).double(), op=Sum) / total_count).to(input.dtype)
         output = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             output = output * self.weight.view(shape) + self.bias.view(shape)

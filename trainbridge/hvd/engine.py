@@ -141,6 +141,7 @@ class Engine:
         self._cv = threading.Condition()
         self._outbox: List = []
         self._local: Dict[Key, Request] = {}
+        self._executing: List[Request] = []  # taken out of _local by _run, not finished yet
         self._join: Optional[Handle] = None
         self._join_device = -1
         self._join_announced = False
@@ -335,8 +336,9 @@ class Engine:
     def _close(self, error: HorovodInternalError) -> None:
         with self._cv:
             self._closed = error
-            failed = list(self._local.values())
+            failed = list(self._local.values()) + [r for r in self._executing if not r.handle.done()]
             self._local.clear()
+            self._executing = []
             join, self._join = self._join, None
         for request in failed:
             request.handle.finish(error=error)
@@ -389,6 +391,8 @@ class Engine:
                 runnable.append((decision, request))  # every rank takes part in new_group
             elif self.rank in self.process_sets.get(decision.process_set, ()):
                 runnable.append((decision, request))
+        with self._cv:  # if a collective below fails, _close fails these too
+            self._executing = [request for _, request in runnable if request is not None]
         allreduces = [(d, r) for d, r in runnable if d.kind == "allreduce"]
         for (decision, request), outputs in zip(allreduces, self._reduce(allreduces)):
             if request is not None:
@@ -400,6 +404,8 @@ class Engine:
                 result = getattr(self, "_" + decision.kind)(decision, request)
                 if request is not None:
                     request.handle.finish(result)
+        with self._cv:
+            self._executing = []
 
     def _members(self, decision: Decision) -> Tuple[int, ...]:
         return self.process_sets[decision.process_set]

@@ -85,10 +85,10 @@ def main(args) -> int:
                 job.shutdown()
                 return 143
             if args.checkpoint_every and state["step"] % args.checkpoint_every == 0:
-                job.save(state, last)
+                job.save(state, last, background=True)  # written while training goes on
         job.drain_stop()
         val_loss, val_accuracy = evaluate(job, model, val_set)
-        job.save(state, last)
+        job.save(state, last, background=True)
         job.print(f"epoch {epoch + 1} step {state['step']}: val_loss {val_loss:.4f} val_accuracy {val_accuracy:.4f}")
 
     job.save({"model": model, "step": state["step"], "world_size": job.world_size}, os.path.join(args.output_dir, "final.pt"))

@@ -3,11 +3,14 @@
 Only rank 0 writes, to ``DIR/.<name>.tmp`` first, then ``fsync`` and ``os.replace``:
 a kill during the write leaves the old file intact (a rename is atomic on POSIX),
 and the directory is synced so that the rename itself survives a power loss.
+A background write (:class:`BackgroundWriter`) keeps every one of these rules; only
+the copy of the state to host memory stays on the training path.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+import threading
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -71,3 +74,61 @@ def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = N
         os.replace(path, keep_previous)
     os.replace(tmp, path)
     fsync_dir(directory)
+
+
+def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:
+    """:func:`atomic_save` to each of ``paths``; ``keep_previous`` applies to the first."""
+    for i, path in enumerate(paths):
+        atomic_save(obj, path, keep_previous=keep_previous if i == 0 else None)
+
+
+def host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory: a snapshot that training can no longer change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """Writes snapshots with :func:`atomic_save` on a thread while training goes on.
+
+    One write is in flight at a time: :meth:`submit` first waits for the previous
+    one, so writes land in order and ``keep_previous`` rotates the right file.
+    :meth:`wait` (before a read, at the end, on a stop or an error) finishes the
+    write in flight and raises its error, if it had one, as the UserError that a
+    synchronous write would have raised.
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:
+        """Write ``obj`` to each of ``paths`` in the background (``keep_previous`` for the first)."""
+        self.wait()
+        snapshot = host_copy(obj)  # the only part on the training path
+
+        def write() -> None:
+            try:
+                save_all(snapshot, paths, keep_previous)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="trainbridge-checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

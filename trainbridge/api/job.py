@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -38,7 +38,7 @@ from ..errors import UserError, first_line
 from ..launch import LaunchEnv, detect_launch, report_error
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
-from .files import atomic_save
+from .files import BackgroundWriter, save_all
 from .loaders import EvalLoader, TrainLoader
 from .stop import StopSignal, Watchdog
 
@@ -99,6 +99,7 @@ class Job:
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.watchdog = watchdog or Watchdog(backend.timeout, backend.rank)
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
+        self._writer = BackgroundWriter()
 
     # ----- where this process is ------------------------------------------------
     @property
@@ -270,23 +271,41 @@ class Job:
         return self.backend.decide_on_main(decide)
 
     # ----- checkpoints ----------------------------------------------------------
-    def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
+    def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None,
+             background: bool = False, copies: Sequence[str] = ()) -> None:
         """Write ``obj`` to ``path``: every rank calls it, the main rank writes atomically.
 
         Values with a ``state_dict()`` (models, wrapped or not, optimizers,
         schedulers, GradScalers, train loaders) are saved as their state; others
         as they are. Every rank's RNG state is added, so :meth:`load` continues
         dropout and augmentation exactly. ``keep_previous``: first move the file
-        being replaced there.
+        being replaced there. ``copies``: also write the same state to these paths.
+
+        ``background=True``: the main rank copies the state to host memory and
+        writes it on a thread while training goes on. The next save, :meth:`load`,
+        :meth:`wait_for_saves` and :meth:`shutdown` wait for it; a failed
+        background write raises there, as one line.
         """
         state = {key: self._state_of(value) for key, value in obj.items()}
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
         rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
         state[RNG_KEY] = {"torch": rngs, "world_size": self.world_size}
+        paths = [path, *copies]
+        if self.is_main and background:
+            self._writer.submit(state, paths, keep_previous=keep_previous)
+            return
         if self.is_main:
-            atomic_save(state, path, keep_previous=keep_previous)
-        self.backend.barrier()  # the file is complete before any rank may read it
+            self._writer.wait()  # writes land in order
+            save_all(state, paths, keep_previous=keep_previous)
+        if not background:
+            self.backend.barrier()  # the file is complete before any rank may read it
+
+    def wait_for_saves(self) -> None:
+        """Every rank calls it: the main rank's background write is on disk before anyone goes on."""
+        if self.is_main:
+            self._writer.wait()
+        self.backend.barrier()
 
     def _state_of(self, value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
@@ -300,6 +319,7 @@ class Job:
         :meth:`save`): objects are restored in place with ``load_state_dict``,
         plain values replaced, this rank's RNG state restored; returns ``into``.
         """
+        self.wait_for_saves()  # a background write of this file may be in flight
         state = read_file(path, self.device)
         if into is None:
             return state
@@ -328,9 +348,16 @@ class Job:
     def shutdown(self, clean: bool = True) -> None:
         """Leave the job. ``clean=False`` after a failure: wait for no other rank."""
         self.watchdog.disarm()
-        if clean:
-            self.drain_stop()
-        self.backend.shutdown(clean=clean)
+        try:
+            self._writer.wait()  # never leave with a checkpoint half-written
+        except UserError as exc:
+            if clean:
+                raise
+            report_error(str(exc))  # on the way out of another failure: said, not raised over it
+        finally:
+            if clean:
+                self.drain_stop()
+            self.backend.shutdown(clean=clean)
         _errors.job = None
 
     def __repr__(self) -> str:

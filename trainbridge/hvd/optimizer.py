@@ -183,7 +183,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set):
-    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over all ranks.
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over ``process_set``'s ranks.
 
     ``num_groups``/``groups`` are accepted for compatibility; the engine fuses
     ready gradients on its own (HOROVOD_FUSION_THRESHOLD).

@@ -89,18 +89,24 @@ def find_checkpoint(cfg: TrainConfig, job: Job) -> Optional[dict]:
         return None
     checkpoint = read_checkpoint(path)
     checkpoint["path"] = path
-    changes = changed_options(checkpoint["config"], checkpoint["world_size"], cfg, job.world_size)
-    if changes and not cfg.allow_option_changes:
-        raise UserError(f"{path} was trained with other options ({'; '.join(changes)}); resuming would mix two "
-                        f"runs: pass --allow-option-changes to continue with the new values, or --resume never to "
-                        f"start over (the old run is moved aside)", quiet=not job.is_main)
-    if changes:
-        job.print(f"[trainbridge] resuming with changed options (--allow-option-changes): {'; '.join(changes)}")
     return checkpoint
 
 
-def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = False) -> None:
-    """Write last.pt (and best.pt) on rank 0. Every rank must call it: job.save gathers the RNG states.
+def check_options(cfg: TrainConfig, job: Job, checkpoint: dict) -> None:
+    """Resume only with the training options the checkpoint was trained with (or say which changed)."""
+    changes = changed_options(checkpoint["config"], checkpoint["world_size"], cfg, job.world_size)
+    if changes and not cfg.allow_option_changes:
+        raise UserError(f"{checkpoint['path']} was trained with other options ({'; '.join(changes)}); resuming "
+                        f"would mix two runs: pass --allow-option-changes to continue with the new values, or "
+                        f"--resume never to start over (the old run is moved aside)", quiet=not job.is_main)
+    if changes:
+        job.print(f"[trainbridge] resuming with changed options (--allow-option-changes): {'; '.join(changes)}")
+
+
+def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = False, background: bool = True) -> None:
+    """Write last.pt (and best.pt) on rank 0, in the background unless told otherwise.
+
+    Every rank must call it: job.save gathers the RNG states.
 
     Weights that are no longer finite are never written over a finite checkpoint (every
     rank holds the same weights, so every rank stops here).
@@ -111,9 +117,8 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
                         quiet=not job.is_main)
     checkpoint = state.checkpoint(config=dataclasses.asdict(cfg), backend=job.backend.name,
                                   world_size=job.world_size, batch_size=cfg.batch_size * cfg.accumulate)
-    job.save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS))
-    if best:
-        job.save(checkpoint, os.path.join(cfg.output_dir, BEST))
+    job.save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS),
+             background=background, copies=[os.path.join(cfg.output_dir, BEST)] if best else [])
 
 
 def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
@@ -140,7 +145,8 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     checkpoint = find_checkpoint(cfg, job)
     progress_ = Progress()
     if checkpoint is not None:
-        load_model_state(model, checkpoint["model"], checkpoint["path"])
+        load_model_state(model, checkpoint["model"], checkpoint["path"])  # another model: its keys are named
+        check_options(cfg, job, checkpoint)
         load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
     model, optimizer = job.prepare(model, optimizer, amp=cfg.amp, accumulate=cfg.accumulate,
@@ -205,7 +211,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                     set_postfix(bar, loss=loss.item())
                 if job.should_stop():
                     divergence.check(diverged)
-                    save_checkpoint(cfg, job, state)
+                    save_checkpoint(cfg, job, state, background=False)  # on disk before the exit
                     raise Preempted(f"stopped by SIGTERM after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
                                     f"launch the same command again to resume")
                 if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
@@ -312,7 +318,7 @@ class Run:
         the shared output directory once rank 0 has finished writing (the barrier).
         """
         best = copy.deepcopy(self.job.unwrap(self.model))
-        self.job.barrier()
+        self.job.wait_for_saves()  # best.pt may still be written in the background
         path = os.path.join(self.cfg.output_dir, BEST)
         if os.path.exists(path):
             best.load_state_dict(read_checkpoint(path)["model"])

@@ -25,6 +25,7 @@ from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, l
 from multihost.hosts import CIDR, IFACE, Host, TwoHosts, missing_requirements, remove_leftovers
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
+from multihost.slurm import SlurmCluster, missing_daemons, submit, wait_job
 from multihost.sshd import SSHD, SshdPerHost
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +147,52 @@ def test_horovodrun_across_hosts_matches_one_host(mode, hosts, sshd, references,
                *sshd.horovodrun_flags(), PYTHON, *args]
         on_hosts({a: cmd}, tmp_path / f"logs-{program}", env={"PATH": sshd.path()})
         assert_matches(references, tmp_path, f"horovodrun --{mode}", program)
+
+
+# ----- SLURM: the job scripts of examples/slurm on a 2-node cluster ------------------------
+SLURM_SCRIPTS = ROOT / "examples" / "slurm"
+
+
+@pytest.fixture(scope="module")
+def slurm(hosts, tmp_path_factory):
+    missing = missing_daemons()
+    if missing:
+        pytest.skip(f"SLURM is missing ({', '.join(missing)}): scripts/setup.sh installs slurmctld, slurmd, slurm-client")
+    with SlurmCluster(hosts.hosts, tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def slurm_env(slurm: SlurmCluster, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    return {**slurm.env(), "PATH": f"{Path(PYTHON).parent}:{os.environ.get('PATH', '')}", "PYTHON": PYTHON,
+            **(extra or {})}
+
+
+def sbatch(slurm: SlurmCluster, script: str, args: List[str], log: Path, env: Optional[Dict[str, str]] = None,
+           timeout: float = RUN_TIMEOUT) -> str:
+    """Run one of examples/slurm/ with sbatch from tbnode1 and wait; its output, after a zero exit."""
+    job = submit(slurm, ["--output", str(log), "--chdir", str(ROOT), str(SLURM_SCRIPTS / script), *args],
+                 env=launcher_env(slurm_env(slurm, env)))
+    try:
+        fields = wait_job(slurm, job, timeout)
+    except TimeoutError as exc:
+        pytest.fail(f"{script}: {exc}\n{log.read_text()[-4000:] if log.exists() else ''}")
+    output = log.read_text() if log.exists() else ""
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), f"{script}: {fields}\n{output[-4000:]}"
+    return output
+
+
+@pytest.mark.parametrize("script", ["srun.sbatch", "torchrun_c10d.sbatch"])
+def test_slurm_job_scripts_across_hosts_match_one_host(script, hosts, slurm, references, tmp_path):
+    for program, args in programs(tmp_path).items():
+        sbatch(slurm, script, args, tmp_path / f"{program}.out")
+        assert_matches(references, tmp_path, script, program)
+
+
+@pytest.mark.parametrize("script", ["horovod_pmix.sbatch", "horovodrun.sbatch"])
+def test_slurm_horovod_job_scripts_match_one_host(script, hosts, slurm, sshd, references, tmp_path):
+    args = programs(tmp_path)["parity"]
+    env = {"PATH": f"{sshd.bin}:{Path(PYTHON).parent}:{os.environ.get('PATH', '')}",
+           "HOROVODRUN": HOROVODRUN, "HOROVODRUN_ARGS": " ".join(sshd.horovodrun_flags())}
+    output = sbatch(slurm, script, args, tmp_path / "job.out", env=env)
+    assert_matches(references, tmp_path, script, "parity")
+    assert read_metrics(tmp_path / "parity")[-1]["backend"] == "horovod", output[-2000:]

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
-from multihost.hosts import CIDR, IFACE, Host, TwoHosts, missing_requirements, remove_leftovers
+from multihost.hosts import Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
-from multihost.slurm import SlurmCluster, missing_daemons, submit, wait_job
+from multihost.slurm import SlurmCluster, job_state, missing_daemons, submit, wait_job
 from multihost.sshd import SSHD, SshdPerHost
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,3 +196,87 @@ def test_slurm_horovod_job_scripts_match_one_host(script, hosts, slurm, sshd, re
     output = sbatch(slurm, script, args, tmp_path / "job.out", env=env)
     assert_matches(references, tmp_path, script, "parity")
     assert read_metrics(tmp_path / "parity")[-1]["backend"] == "horovod", output[-2000:]
+
+
+def test_slurm_requeue_resumes_from_the_sigterm_checkpoint(hosts, slurm, tmp_path):
+    # What a preemption does: SIGTERM to every task, then the job goes back to the queue.
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    args = [*TRAIN, *FAULT_RUN, "--output-dir", str(out)]
+    job = submit(slurm, ["--output", str(log), "--chdir", str(ROOT), str(SLURM_SCRIPTS / "requeue.sbatch"), *args],
+                 env=launcher_env(slurm_env(slurm)))
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while "epoch 1 step 63" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"no progress in SLURM job {job}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    requeue = slurm.client(["scontrol", "requeue", str(job)], timeout=30)
+    assert requeue.returncode == 0, requeue.stderr
+    # SLURM holds a requeued job back for 2 minutes (its BeginTime); let it start at once.
+    while job_state(slurm, job).get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, f"job {job} never went back to the queue: {job_state(slurm, job)}"
+        time.sleep(0.2)
+    slurm.client(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+    try:
+        fields = wait_job(slurm, job, RUN_TIMEOUT)
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{log.read_text()[-4000:]}")
+    output = log.read_text()
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{fields}\n{output[-4000:]}"
+    stopped = re.findall(r"stopped by SIGTERM after step (\d+)", output)
+    assert len(stopped) == 1 and 63 <= int(stopped[0]) < FAULT_STEPS, output[-4000:]
+    assert f"resuming from {out}/last.pt" in output, output[-4000:]
+    assert load_final(out)["step"] == FAULT_STEPS
+
+
+# ----- a host fails -------------------------------------------------------------------
+FAULT_STEPS = 126  # 2 epochs of 63 steps of 2 x 32 samples
+FAULT_TIMEOUT = 20
+FAULT_RUN = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "5",
+             "--batch-size", "32", "--epochs", "2", "--threads", "1", "--no-progress", "--checkpoint-every", "10",
+             "--timeout", str(FAULT_TIMEOUT)]
+
+
+def test_losing_a_host_ends_the_other_within_the_timeout_and_the_relaunch_resumes(hosts, tmp_path):
+    a, b = hosts.hosts
+    out = tmp_path / "out"
+    args = [*TRAIN, *FAULT_RUN, "--output-dir", str(out)]
+    commands = {h: torchrun_static(r, a, 29621, args) for r, h in enumerate(hosts.hosts)}
+    procs = [HostProcess(h, argv, tmp_path / f"{h.name}.log", launcher_env(), cwd=str(ROOT))
+             for h, argv in commands.items()]
+    survivor, lost = procs
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while "epoch 1 step 63" not in survivor.output():
+            assert survivor.poll() is None and lost.poll() is None and time.monotonic() < deadline, \
+                "\n".join(p.describe() for p in procs)
+            time.sleep(0.1)
+        # Every process of the job on tbnode2 at once: its torchrun agent and its worker.
+        killed = b_job = [pid for pid in b.pids() if pid in descendants(lost.proc.pid)]
+        kill_pids(killed)
+        lost_at = time.monotonic()
+        codes, hang = wait_all([survivor], timeout=FAULT_TIMEOUT + 30)
+        detected = (survivor.ended or time.monotonic()) - lost_at
+    finally:
+        for p in procs:
+            p.kill()
+    output = survivor.output()
+    print(f"host tbnode2 lost ({len(b_job)} processes killed): tbnode1 exited {codes[0]} after {detected:.1f}s")
+    assert not hang, hang
+    assert codes[0] != 0, output[-3000:]
+    assert detected < FAULT_TIMEOUT + 5, f"tbnode1 took {detected:.1f}s (--timeout {FAULT_TIMEOUT}):\n{output[-3000:]}"
+    errors = [line for line in output.splitlines() if line.startswith("trainbridge: error:")]
+    assert errors and any(b.addr in line or b.name in line for line in errors), \
+        f"no one-line error naming the lost peer {b.name} ({b.addr}):\n{output[-3000:]}"
+    # The relaunch on both hosts continues from the last checkpoint.
+    procs = on_hosts(commands, tmp_path / "relaunch")
+    assert "resuming from" in procs[0].output()
+    assert load_final(out)["step"] == FAULT_STEPS
+
+
+def descendants(pid: int) -> List[int]:
+    import psutil
+    try:
+        parent = psutil.Process(pid)
+        return [pid] + [child.pid for child in parent.children(recursive=True)]
+    except psutil.Error:
+        return []

@@ -547,10 +547,40 @@ def test_reducescatter_grad():
         assert torch.allclose(tensor.grad, torch.full_like(tensor, float(expected))), (op, tensor.grad)
 
 
+def test_reducescatter_adasum():
+    expect_error(lambda: hvd.reducescatter(torch.ones(4 * hvd.size()), op=hvd.Adasum), RuntimeError)
+
+
+def test_reducescatter_error():
+    multi_rank_only()
+    tensor = torch.FloatTensor(*[17 + hvd.rank()] * 3).random_(-100, 100)
+    expect_error(lambda: hvd.reducescatter(tensor, name="reducescatter_error1"), RuntimeError)
+
+
+def test_reducescatter_type_error():
+    multi_rank_only()
+    expect_error(lambda: hvd.reducescatter(dtype_differs_by_rank()), RuntimeError)
+
+
+def test_reducescatter_duplicate_name_error():
+    multi_rank_only()
+    expect_duplicate_name_error(lambda name: hvd.reducescatter_async(torch.FloatTensor(*[17] * 3), name=name))
+
+
 # ----- synchronisation -------------------------------------------------------------
 def test_barrier():
     for _ in range(3):
         hvd.barrier()
+
+
+def test_barrier_with_multiple_collectives():
+    bcast_handle = hvd.broadcast_async(torch.eye(3), root_rank=0)
+    allgather_handles = [hvd.allgather_async(torch.eye(5)), hvd.allgather_async(torch.zeros([5, 5]))]
+    allreduce_handle = hvd.allreduce_async(torch.eye(5))
+    hvd.barrier()
+    assert torch.equal(hvd.synchronize(allreduce_handle), torch.eye(5))
+    assert torch.equal(hvd.synchronize(bcast_handle), torch.eye(3))
+    assert [hvd.synchronize(h).shape[0] for h in allgather_handles] == [5 * hvd.size()] * 2
 
 
 # ----- optimizer ---------------------------------------------------------------------
@@ -1060,26 +1090,6 @@ def test_process_set_barrier_op():
         hvd.barrier()
 
 
-def test_optimizer_process_sets():
-    """DistributedOptimizer on the even set: even ranks end equal, odd ranks step on their own gradients."""
-    with _EvenOddSets() as sets:
-        torch.manual_seed(hvd.rank())
-        x, y = torch.randn(64, 100), torch.randn(64, 10)
-        model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10))
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                                             named_parameters=model.named_parameters(), process_set=sets.even_set)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer.zero_grad()
-        F.mse_loss(model(x), y, reduction="sum").backward()
-        optimizer.step()
-        v = model.state_dict()["2.weight"]
-        all_v = hvd.allgather(v, process_set=sets.set).view(sets.size, *v.shape)
-        if sets.set is sets.even_set:
-            assert all(torch.allclose(v, other) for other in all_v)
-        else:
-            assert all(not torch.allclose(v, other) for i, other in enumerate(all_v) if i != sets.set.rank())
-
-
 def test_process_set_queries_and_errors():
     rank, size = hvd.rank(), hvd.size()
     assert hvd.global_process_set.process_set_id == 0 and hvd.global_process_set.ranks == list(range(size))
@@ -1258,8 +1268,32 @@ def test_rejected_input_on_one_rank_fails_every_rank():
         assert time.monotonic() - started < 10, (label, time.monotonic() - started)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
 
-# ----- join (last: ranks issue different operations, which would shift the auto-generated
-# names of every later unnamed operation, in the real Horovod as here) ----------------------
+# ----- last: ranks issue different operations, which would shift the auto-generated names of
+# every later unnamed operation, in the real Horovod as here (process-set optimizer, join) ----------
+def test_optimizer_process_sets():
+    """DistributedOptimizer on the even set: even ranks end equal, odd ranks step on their own gradients.
+
+    Among the last checks: only the even ranks reduce gradients, and the real Horovod numbers unnamed
+    operations by a per-process handle count that every operation advances, named or not.
+    """
+    with _EvenOddSets() as sets:
+        torch.manual_seed(hvd.rank())
+        x, y = torch.randn(64, 100), torch.randn(64, 10)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10))
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                                             named_parameters=model.named_parameters(), process_set=sets.even_set)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y, reduction="sum").backward()
+        optimizer.step()
+        v = model.state_dict()["2.weight"]
+        all_v = hvd.allgather(v, process_set=sets.set).view(sets.size, *v.shape)
+        if sets.set is sets.even_set:
+            assert all(torch.allclose(v, other) for other in all_v)
+        else:
+            assert all(not torch.allclose(v, other) for i, other in enumerate(all_v) if i != sets.set.rank())
+
+
 def test_join_allreduce():
     rank, size = hvd.rank(), hvd.size()
     for dtype, dim, first_join_rank, caching in itertools.product(

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .compression import Compression
-from .engine import SUPPORTED_DTYPES, Engine, Handle
+from .engine import SUPPORTED_DTYPES, Engine
 from .negotiation import Announcement
 from .process import runtime
 from .process_sets import ProcessSet, global_process_set, set_ranks

@@ -132,8 +132,9 @@ def set_ranks(process_set: Any, rank: int) -> Tuple[int, Tuple[int, ...]]:
         raise ValueError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     ranks = runtime().engine.process_sets.get(process_set.process_set_id)
     if ranks is None:
-        raise UnregisteredProcessSetError(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or "
-                         f"hvd.add_process_set() first (or it was removed)")
+        raise UnregisteredProcessSetError(f"{process_set} is not registered: pass it to "
+                                          f"hvd.init(process_sets=[...]) or hvd.add_process_set() first "
+                                          f"(or it was removed)")
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not a member of the provided process set {list(ranks)}")
     return process_set.process_set_id, ranks

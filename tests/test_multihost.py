@@ -12,6 +12,7 @@ also after a failure, and leftovers of a crashed run (prefix ``tbmh``) at the st
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -280,3 +281,69 @@ def descendants(pid: int) -> List[int]:
         return [pid] + [child.pid for child in parent.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+# ----- host names that resolve to loopback, unreachable addresses: start-up fails fast or adapts ----
+@pytest.fixture(scope="module")
+def loopback_named(hosts) -> List[Host]:
+    """The same two hosts, each with Debian's default line ``127.0.1.1 <own name>`` in its hosts file."""
+    renamed = []
+    for host in hosts.hosts:
+        others = "".join(f"{h.addr}\t{h.name}\n" for h in hosts.hosts if h is not host)
+        path = host.hosts_file.with_name(host.hosts_file.name + ".loopback")
+        path.write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n{others}")
+        renamed.append(dataclasses.replace(host, hosts_file=path))
+    return renamed
+
+
+def test_host_names_on_loopback_need_no_gloo_socket_ifname(hosts, loopback_named, rsh_agent, references, tmp_path):
+    # gloo would listen on 127.0.1.1; trainbridge gives it the interface towards the rendezvous instead.
+    a = loopback_named[0]
+    args = programs(tmp_path)["parity"]
+    procs = on_hosts({h: torchrun_static(r, a, 29631, args) for r, h in enumerate(loopback_named)},
+                     tmp_path / "torchrun")
+    assert f"resolves only to loopback; gloo uses tbv0, the interface towards {a.addr}" in procs[0].output()
+    assert_matches(references, tmp_path, "torchrun static, loopback host names", "parity")
+    # Under mpirun rank 0 publishes an address the other host can reach, not its name.
+    agent = write_rsh_agent(loopback_named, tmp_path / "rsh_agent")
+    on_hosts({a: ["mpirun", *mpirun_flags(loopback_named, agent), PYTHON, *args, "--backend", "torch"]},
+             tmp_path / "mpirun")
+    assert_matches(references, tmp_path, "mpirun --backend torch, loopback host names", "parity")
+
+
+START_TIMEOUT = 10
+
+
+def test_a_failed_gloo_connection_ends_every_rank_within_the_timeout(hosts, tmp_path):
+    # gloo on loopback on both hosts, as where host names do not resolve: each rank is
+    # given the other's 127.0.0.1, rank 1 fails, and rank 0 waits in gloo's
+    # connectFullMesh for a peer that never comes (it once hung past --timeout).
+    a, b = hosts.hosts
+    args = [*TRAIN, *PARITY, "--timeout", str(START_TIMEOUT), "--output-dir", str(tmp_path / "out")]
+    procs = [HostProcess(h, torchrun_static(r, a, 29641, args), tmp_path / f"{h.name}.log",
+                         launcher_env({"GLOO_SOCKET_IFNAME": "lo"}), cwd=str(ROOT))
+             for r, h in enumerate(hosts.hosts)]
+    codes, hang = wait_all(procs, timeout=START_TIMEOUT + 60)
+    took = [p.ended - p.started for p in procs]
+    print(f"gloo start-up failure: exits {codes} after {took[0]:.1f}s (tbnode1) and {took[1]:.1f}s (tbnode2)")
+    assert not hang, hang
+    for proc, seconds in zip(procs, took):
+        assert proc.proc.returncode != 0, proc.describe()
+        # torchrun's own start-up (agent rendezvous, imports) comes on top of trainbridge's wait.
+        assert seconds < START_TIMEOUT + 5 + 15, f"{proc.host.name} ended after {seconds:.1f}s\n{proc.describe()}"
+        assert "trainbridge: error:" in proc.output(), proc.describe()
+
+
+def test_an_exported_master_addr_is_honoured_under_mpirun(hosts, rsh_agent, tmp_path):
+    # An address no host has: the job must use it (and fail on it, naming it) rather than pick its own.
+    a = hosts.hosts[0]
+    args = [*TRAIN, *PARITY, "--backend", "torch", "--timeout", str(START_TIMEOUT), "--output-dir", str(tmp_path)]
+    cmd = ["mpirun", *mpirun_flags(hosts.hosts, rsh_agent), "-x", "MASTER_ADDR=10.77.0.99", "-x", "MASTER_PORT=29651",
+           PYTHON, *args]
+    started = time.monotonic()
+    result = hosts.run(a, cmd, timeout=START_TIMEOUT + 60, env=launcher_env())
+    took = time.monotonic() - started
+    print(f"unreachable MASTER_ADDR under mpirun: exit {result.returncode} after {took:.1f}s")
+    assert result.returncode != 0
+    assert "10.77.0.99:29651" in result.stderr, result.stderr[-3000:]
+    assert took < START_TIMEOUT + 5 + 15, result.stderr[-3000:]

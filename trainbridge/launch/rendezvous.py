@@ -15,11 +15,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Tuple
 
 from ..errors import UserError, first_line
 from .environment import LaunchEnv
+from .network import (first_external_address, gloo_interface_for, interface_of, is_loopback, reachable_address, resolve,
+                      resolves_only_to_loopback)
 
 
 def free_port() -> int:
@@ -29,9 +32,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def own_address(env: LaunchEnv) -> str:
-    """Loopback when the whole job is on this node, else this host's name."""
-    return "127.0.0.1" if env.local_size >= env.world_size else socket.getfqdn()
+def own_address(env: LaunchEnv, environ=None) -> str:
+    """Loopback when the whole job is on this node, else an address of this host the others can reach."""
+    environ = os.environ if environ is None else environ
+    if env.local_size >= env.world_size:
+        return "127.0.0.1"
+    interface = (environ.get("GLOO_SOCKET_IFNAME") or environ.get("HOROVOD_GLOO_IFACE") or "").split(",")[0]
+    return reachable_address(interface or None)
 
 
 def share_over_mpi(env: LaunchEnv) -> Tuple[str, int]:
@@ -58,7 +65,7 @@ def share_over_horovodrun(env: LaunchEnv, environ, timeout: float) -> Tuple[str,
     server = (environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"], int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]))
     scope, key = "trainbridge", "torch_master"
     if env.rank == 0:
-        choice = (own_address(env), free_port())
+        choice = (own_address(env, environ), free_port())
         put_data_into_kvstore(*server, scope, key, choice)
         return choice
     deadline = time.monotonic() + timeout
@@ -73,9 +80,11 @@ def share_over_horovodrun(env: LaunchEnv, environ, timeout: float) -> Tuple[str,
 
 
 def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> Tuple[str, int]:
-    """(MASTER_ADDR, MASTER_PORT) that every rank of the job agrees on."""
-    import os
+    """(MASTER_ADDR, MASTER_PORT) that every rank of the job agrees on.
 
+    The launcher's own, then MASTER_ADDR/MASTER_PORT exported by the user, then
+    one that rank 0 picks and shares over MPI or horovodrun's key-value server.
+    """
     environ = os.environ if environ is None else environ
     if env.master_addr and env.master_port:
         return env.master_addr, env.master_port
@@ -91,15 +100,14 @@ def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> 
                     f"export both on every rank")
 
 
-def open_store(env: LaunchEnv, timeout: float):
-    """The job's rendezvous store: a TCPStore served by rank 0 at :func:`rendezvous_address`.
+def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
+    """The job's rendezvous store: a TCPStore served by rank 0 at ``addr:port`` (:func:`rendezvous_address`).
 
     Under torchrun the agent already serves the store on MASTER_PORT; every
     worker is a client, and a prefix per restart keeps attempts apart.
     """
     import torch.distributed as dist
 
-    addr, port = rendezvous_address(env, timeout=timeout)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
         store = dist.TCPStore(addr, port, is_master=env.rank == 0 and not agent_store,
@@ -144,7 +152,57 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
     """Start torch.distributed's default process group (``pg_backend``: gloo or nccl) for this job."""
     import torch.distributed as dist
 
-    store = open_store(env, timeout)
+    addr, port = rendezvous_address(env, timeout=timeout)
+    if pg_backend == "gloo":
+        choose_gloo_interface(env, addr)
+    store = open_store(env, timeout, addr, port)
     agree_on_world_size(store, env, timeout)
-    dist.init_process_group(pg_backend, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        dist.init_process_group(pg_backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        # gloo's connectFullMesh: a peer advertised an address this rank cannot reach.
+        # The peers still waiting end through the start-up watchdog (--timeout + 5 s).
+        raise UserError(connect_failure(env, pg_backend, exc)) from None
+
+
+def connect_failure(env: LaunchEnv, pg_backend: str, exc: BaseException) -> str:
+    """One line for a process group whose ranks could not connect to each other, with the fix."""
+    text = first_line(exc)
+    fix = ("set GLOO_SOCKET_IFNAME to the interface that links the hosts, or map each host name to its "
+           "network address in /etc/hosts (`trainbridge doctor --hosts` checks both)"
+           if pg_backend == "gloo" else "set NCCL_SOCKET_IFNAME to the interface that links the hosts")
+    where = ""
+    if env.local_size < env.world_size and "127.0." in text:
+        where = "a peer on another host advertised a loopback address; "
+    return f"rank {env.rank} could not connect to the other ranks ({text}); {where}{fix}"
+
+
+def choose_gloo_interface(env: LaunchEnv, rendezvous_addr: str, environ=None) -> None:
+    """Set GLOO_SOCKET_IFNAME when gloo's own choice would fail across hosts.
+
+    gloo listens on the address this host's name resolves to. When that is only
+    loopback and the job spans hosts, peers elsewhere cannot connect and rank 0
+    would wait for them until the timeout. gloo is then given the interface that
+    carries the route to the rendezvous address (or, where that address is this
+    host's own name, the first interface that is not loopback). A
+    GLOO_SOCKET_IFNAME set by the user is left alone.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("GLOO_SOCKET_IFNAME") or env.local_size >= env.world_size or is_loopback(rendezvous_addr):
+        return
+    host = socket.gethostname()
+    if not resolves_only_to_loopback(host):
+        return
+    interface = gloo_interface_for(rendezvous_addr)
+    if interface is None and resolves_only_to_loopback(rendezvous_addr):
+        interface = interface_of(first_external_address() or "")
+    if interface is None:
+        raise UserError(f"host name {host!r} resolves only to loopback ({', '.join(resolve(host))}) and no "
+                        f"interface of this host routes to the rendezvous address {rendezvous_addr}, so ranks on "
+                        f"other hosts cannot connect; set GLOO_SOCKET_IFNAME to the interface that reaches them, "
+                        f"or map {host!r} to its network address in /etc/hosts")
+    environ["GLOO_SOCKET_IFNAME"] = interface
+    if env.local_rank == 0:
+        print(f"[trainbridge] host name {host!r} resolves only to loopback; gloo uses {interface}, the interface "
+              f"towards {rendezvous_addr} (set GLOO_SOCKET_IFNAME to choose another)", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
-from multihost.hosts import Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers
+from multihost.hosts import IFACE, Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers, run_on
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
 from multihost.slurm import SlurmCluster, job_state, missing_daemons, submit, wait_job
@@ -341,9 +341,41 @@ def test_an_exported_master_addr_is_honoured_under_mpirun(hosts, rsh_agent, tmp_
     cmd = ["mpirun", *mpirun_flags(hosts.hosts, rsh_agent), "-x", "MASTER_ADDR=10.77.0.99", "-x", "MASTER_PORT=29651",
            PYTHON, *args]
     started = time.monotonic()
-    result = hosts.run(a, cmd, timeout=START_TIMEOUT + 60, env=launcher_env())
+    result = run_on(a, cmd, timeout=START_TIMEOUT + 60, env=launcher_env())
     took = time.monotonic() - started
     print(f"unreachable MASTER_ADDR under mpirun: exit {result.returncode} after {took:.1f}s")
     assert result.returncode != 0
     assert "10.77.0.99:29651" in result.stderr, result.stderr[-3000:]
     assert took < START_TIMEOUT + 5 + 15, result.stderr[-3000:]
+
+
+# ----- trainbridge doctor --hosts --------------------------------------------------------
+def doctor_hosts(host: Host, sshd: SshdPerHost, *extra: str, env: Optional[Dict[str, str]] = None):
+    cmd = [PYTHON, "-m", "trainbridge", "doctor", "--hosts", "tbnode1,tbnode2", "--ssh-port", "2222", *extra]
+    return run_on(host, cmd, timeout=120, env=launcher_env({"PATH": sshd.path(), **(env or {})}),
+                        cwd=str(ROOT))
+
+
+def test_doctor_hosts_names_each_problem_in_one_line_with_its_fix(hosts, loopback_named, sshd):
+    a, b = hosts.hosts
+    good = doctor_hosts(a, sshd, "--rdzv-endpoint", "tbnode1:29400", env={"MASTER_ADDR": a.addr, "MASTER_PORT": "29500"})
+    assert good.returncode == 0 and "hosts: no problem found" in good.stdout, good.stdout + good.stderr
+    assert "interfaces towards the other hosts: tbnode1 tbv0, tbnode2 tbv0" in good.stdout, good.stdout
+    # Every problem at once: tbnode1's name on loopback, tbnode2's link under another
+    # name, an endpoint no agent serves, a MASTER_ADDR nobody has.
+    hosts.rename_link(b, IFACE, "tbv1")
+    try:
+        bad = doctor_hosts(loopback_named[0], sshd, "--rdzv-endpoint", "10.77.0.9:29400",
+                           env={"MASTER_ADDR": "10.77.0.99", "MASTER_PORT": "29500"})
+    finally:
+        hosts.rename_link(b, "tbv1", IFACE)
+    problems = [line for line in bad.stdout.splitlines() if line.startswith("problem: ")]
+    print("\n".join(problems))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    expected = {"resolves only to loopback": "GLOO_SOCKET_IFNAME=tbv0",
+                "interfaces with different names (tbnode1: tbv0, tbnode2: tbv1)": "--network-interface",
+                "rendezvous endpoint 10.77.0.9:29400 is none of the hosts": "--local-addr",
+                "MASTER_ADDR 10.77.0.99 is not reachable": "use an address of the first host"}
+    for what, fix in expected.items():
+        assert [line for line in problems if what in line and fix in line], (what, bad.stdout)
+    assert len(problems) == len(expected), bad.stdout

@@ -184,16 +184,24 @@ class TwoHosts:
         """Take ``host``'s end of the link down (a cut cable) or up again."""
         ip("-n", host.netns, "link", "set", IFACE, "up" if up else "down")
 
-    def run(self, host: Host, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
-            cwd: Optional[str] = None) -> subprocess.CompletedProcess:
-        """Run ``argv`` on ``host`` and wait; on timeout kill its process group and raise."""
-        proc = subprocess.Popen(host.command(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env, cwd=cwd, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise TimeoutError(f"timed out after {timeout}s on {host.name}: {' '.join(argv)}\n"
-                               f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}") from None
-        return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+    def rename_link(self, host: Host, old: str, new: str) -> None:
+        """Give ``host``'s end of the link another name (its address stays)."""
+        ns = ("-n", host.netns)
+        ip(*ns, "link", "set", old, "down")
+        ip(*ns, "link", "set", old, "name", new)
+        ip(*ns, "link", "set", new, "up")
+
+
+def run_on(host: Host, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+           cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` on ``host`` and wait; on timeout kill its process group and raise."""
+    proc = subprocess.Popen(host.command(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"timed out after {timeout}s on {host.name}: {' '.join(argv)}\n"
+                           f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)

@@ -1,9 +1,20 @@
-"""``trainbridge doctor``: what this machine can run, and what launched this process."""
+"""``trainbridge doctor``: what this machine can run, and what launched this process.
+
+``trainbridge doctor --hosts a,b [--rdzv-endpoint HOST:PORT] [--master-addr ADDR --master-port PORT]``
+also checks a job across those hosts before it starts (:mod:`trainbridge.launch.host_checks`),
+printing one line per problem with its fix, and exits 1 when it found any. The
+interface names of the other hosts are read over ssh (as horovodrun would reach them).
+"""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import os
 import shutil
-from typing import List, Tuple
+import socket
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,9 +71,87 @@ def report() -> List[Tuple[str, str]]:
     return rows
 
 
-def main() -> int:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="trainbridge doctor", description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", help="comma-separated host names of a job across hosts: check them before it starts")
+    p.add_argument("--rdzv-endpoint", help="torchrun's c10d --rdzv-endpoint HOST:PORT to check")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="default: $MASTER_ADDR")
+    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT") or 0) or None,
+                   help="default: $MASTER_PORT")
+    p.add_argument("--ssh-port", type=int, default=None, help="for reading the other hosts' interfaces")
+    p.add_argument("--route-to", metavar="ADDR", help=argparse.SUPPRESS)  # used over ssh: the interface towards ADDR
+    return p.parse_args(list(argv))
+
+
+def is_this_host(host: str) -> bool:
+    from ..launch.network import interface_addresses, resolve
+
+    own = {a for addrs in interface_addresses(up_only=False).values() for a in addrs}
+    return host in (socket.gethostname(), socket.getfqdn()) or bool(set(resolve(host)) & (own - {"127.0.0.1"}))
+
+
+def remote_interface(host: str, ssh_port: Optional[int]) -> Tuple[Optional[str], Optional[str]]:
+    """(interface name on ``host`` towards this host, or None; why not)."""
+    from ..launch.network import source_address_towards
+
+    me = source_address_towards(host)
+    if me is None:
+        return None, f"no route to {host}"
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *(["-p", str(ssh_port)] if ssh_port else []),
+           host, sys.executable, "-m", "trainbridge", "doctor", "--route-to", me]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, str(exc)
+    if result.returncode != 0 or not result.stdout.strip():
+        return None, (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+    return result.stdout.split()[0], None
+
+
+def host_problems(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
+    """(problems, notes) for a job across ``args.hosts``."""
+    from ..launch import host_checks
+    from ..launch.network import gloo_interface_for
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    problems = host_checks.check_own_name(hosts) + host_checks.check_host_names(hosts)
+    notes: List[str] = []
+    interfaces: Dict[str, Optional[str]] = {}
+    for host in hosts:
+        if is_this_host(host):
+            others = [h for h in hosts if not is_this_host(h)]
+            interfaces[host] = gloo_interface_for(others[0]) if others else None
+        else:
+            interfaces[host], why = remote_interface(host, args.ssh_port)
+            if why:
+                notes.append(f"interface of {host} unknown (ssh: {why}): its name was not compared")
+    notes.append("interfaces towards the other hosts: " + ", ".join(f"{h} {i or '?'}" for h, i in interfaces.items()))
+    problems += host_checks.check_interfaces(interfaces)
+    if args.rdzv_endpoint:
+        problems += host_checks.check_rendezvous_endpoint(args.rdzv_endpoint, hosts)
+    if args.master_addr:
+        problems += host_checks.check_master_addr(args.master_addr, args.master_port, hosts)
+    return problems, notes
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # The console script calls main() without arguments: ours follow "doctor" on its command line.
+    args = parse_args(sys.argv[2:] if argv is None else argv)
+    if args.route_to:
+        from ..launch.network import gloo_interface_for
+
+        print(gloo_interface_for(args.route_to) or "")
+        return 0
     rows = report()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    return 0
+    if not args.hosts:
+        return 0
+    problems, notes = host_problems(args)
+    for note in notes:
+        print(f"hosts: {note}")
+    for problem in problems:
+        print(f"problem: {problem}")
+    print(f"hosts: {len(problems)} problem(s) found" if problems else "hosts: no problem found")
+    return 1 if problems else 0

@@ -39,6 +39,7 @@ SINGLE_PROCESS_NA = {
     "test_optimizer_process_sets", "test_process_set_queries_and_errors", "test_static_process_sets",
     "test_async_sparse_allreduce_process_sets", "test_rejected_input_on_one_rank_fails_every_rank",
     "test_reducescatter_error", "test_reducescatter_type_error", "test_reducescatter_duplicate_name_error",
+    "test_global_barrier_op", "test_dynamic_requires_grad",
 }
 # Under horovodrun: Adasum is the real Horovod's own op, and an input rejected on one rank only
 # leaves the real Horovod's other ranks waiting for ever (the torch backend fails them all).

@@ -547,6 +547,43 @@ def test_reducescatter_grad():
         assert torch.allclose(tensor.grad, torch.full_like(tensor, float(expected))), (op, tensor.grad)
 
 
+def test_reducescatter_async_fused():
+    rank, size = hvd.rank(), hvd.size()
+    tests, poll_false_once = [], False
+    for dtype, dim in itertools.product(REDUCE_TYPES, DIMS):
+        torch.manual_seed(1234)
+        tensor = torch.FloatTensor(*([size * 4] * dim)).random_(-100, 100).to(dtype)
+        handle = hvd.reducescatter_async(tensor, op=hvd.Sum)
+        poll_false_once = poll_false_once or not hvd.poll(handle)
+        tests.append((dtype, fp32(tensor)[0][rank * 4:(rank + 1) * 4] * size, handle))
+    assert poll_false_once or size == 1, "hvd.poll() always returns True, not an async op?"
+    for dtype, expected, handle in tests:
+        summed, = fp32(hvd.synchronize(handle))
+        assert list(summed.shape) == list(expected.shape)
+        assert (summed - expected).abs().max() <= threshold(dtype), dtype
+
+
+def test_reducescatter_prescale_postscale():
+    rank, size = hvd.rank(), hvd.size()
+    np.random.seed(12345)
+    for dtype, dim in itertools.product(REDUCE_TYPES, DIMS):
+        torch.manual_seed(1234)
+        factor = np.random.uniform()
+        tensor = torch.FloatTensor(*([size * 4] * dim)).random_(-100, 100).to(dtype)
+        mine = slice(rank * 4, (rank + 1) * 4)
+        # prescale: each term scaled (Horovod's rules), then a sum of `size` equal terms in the dtype.
+        scaled = _scale_reference(tensor, factor, dtype)
+        expected = scaled.clone()
+        for _ in range(size - 1):
+            expected = expected + scaled
+        summed, expected = fp32(hvd.reducescatter(tensor, op=hvd.Sum, prescale_factor=factor), expected[mine])
+        assert torch.allclose(summed, expected, threshold(dtype)), ("prescale", dtype)
+        # postscale: the sum (exact: integers below 2**11 times size), then scaled.
+        summed = hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor)
+        summed, expected = fp32(summed, _scale_reference(tensor * size, factor, dtype)[mine])
+        assert torch.allclose(summed, expected, threshold(dtype)), ("postscale", dtype)
+
+
 def test_reducescatter_adasum():
     expect_error(lambda: hvd.reducescatter(torch.ones(4 * hvd.size()), op=hvd.Adasum), RuntimeError)
 
@@ -571,6 +608,16 @@ def test_reducescatter_duplicate_name_error():
 def test_barrier():
     for _ in range(3):
         hvd.barrier()
+
+
+def test_global_barrier_op():
+    """Horovod's test, with 1 s instead of 5: a barrier waits for the slowest rank."""
+    multi_rank_only()
+    started = time.monotonic()
+    if hvd.rank() == 0:
+        time.sleep(1)
+    hvd.barrier()
+    assert time.monotonic() - started >= 1
 
 
 def test_barrier_with_multiple_collectives():
@@ -899,6 +946,48 @@ def test_no_named_parameters():
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+
+
+def test_optimizer_no_named_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                          {"params": model[1].parameters()}], lr=0.001))
+    params = optimizer._parameter_names
+    assert len(params) == len(set(params.values()))
+    all_param_names = hvd.allgather_object(set(params.values()))
+    assert len(all_param_names) == hvd.size() and all(names == all_param_names[0] for names in all_param_names)
+
+
+def test_dynamic_requires_grad():
+    """Gradients turned off and on between steps (a GAN's generator and discriminator)."""
+    multi_rank_only()
+    gen, disc = torch.nn.Conv2d(1, 10, 1), torch.nn.Conv2d(10, 1, 1)
+    inp = torch.rand([1, 1, 100, 100])
+    gen_opt = hvd.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1),
+                                       named_parameters=gen.named_parameters())
+    disc_opt = hvd.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
+                                        named_parameters=disc.named_parameters())
+
+    def train_step(train_generator=False, train_discriminator=False):
+        for p in gen.parameters():
+            p.requires_grad_(train_generator)
+        for p in disc.parameters():
+            p.requires_grad_(train_discriminator)
+        gen_opt.zero_grad()
+        disc_opt.zero_grad()
+        disc(gen(inp)).sum().backward()
+        for p in gen.parameters():
+            assert train_generator == (p.grad is not None and p.grad.max().is_nonzero())
+        for p in disc.parameters():
+            assert train_discriminator == (p.grad is not None and p.grad.max().is_nonzero())
+        if train_generator:
+            gen_opt.step()
+        if train_discriminator:
+            disc_opt.step()
+
+    for _ in range(10):
+        train_step(train_generator=True)
+        train_step(train_discriminator=True)
 
 
 def test_missing_named_parameters():

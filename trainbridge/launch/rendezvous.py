@@ -1,14 +1,20 @@
 """Agreeing on a torch.distributed rendezvous address under launchers that give none.
 
-torchrun and srun export MASTER_ADDR/MASTER_PORT. mpirun and horovodrun do not,
-so rank 0 picks an address and a free port and shares them over the launcher's
-own channel: MPI (mpi4py) under mpirun, horovodrun's rendezvous key-value server
-under horovodrun. Plain python with one process binds a local free port.
+torchrun and srun export MASTER_ADDR/MASTER_PORT. mpirun and horovodrun do not:
+MASTER_ADDR/MASTER_PORT exported by the user (``mpirun -x``) are used when set;
+otherwise rank 0 picks an address the other hosts can reach (an address, not
+its name: see :mod:`trainbridge.launch.network`) and a free port, and shares them
+over the launcher's own channel: MPI (mpi4py) under mpirun, horovodrun's
+rendezvous key-value server under horovodrun. Plain python with one process
+binds a local free port.
 
 :func:`join_process_group` starts torch.distributed's default group on that
 address (a TCPStore on rank 0, the world sizes checked first), for callers that
-need only the group and not a backend (``trainbridge.hvd``). torch is imported
-inside the functions that use it, so launcher detection stays light.
+need only the group and not a backend (``trainbridge.hvd``). Across hosts, gloo
+is given the interface towards the rendezvous when the host name resolves only
+to loopback, and a failed connection is one line with the fix. Every wait here
+is bounded by ``timeout``; ``trainbridge.init`` also arms a start-up watchdog.
+torch is imported inside the functions that use it, so launcher detection stays light.
 """
 from __future__ import annotations
 

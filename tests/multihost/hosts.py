@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -116,18 +117,35 @@ def remove_namespace(netns: str) -> None:
     ip("netns", "delete", netns, check=False)
 
 
+def creator_alive(name: str) -> bool:
+    """Whether the process that made ``name`` (tbmh-<pid>-N or tbmh<pid>hN) still runs: then it is not a leftover."""
+    match = re.match(rf"{PREFIX}-?(\d+)", name)
+    if not match:
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def remove_leftovers() -> List[str]:
-    """Remove namespaces and links with :data:`PREFIX` that a crashed run left; returns their names."""
+    """Remove namespaces and links with :data:`PREFIX` that a crashed run left; returns their names.
+
+    Those of a test run still going (its process alive) are left alone.
+    """
     removed = []
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith(PREFIX + "-"):
+        if name.startswith(PREFIX + "-") and not creator_alive(name):
             remove_namespace(name)
             removed.append(name)
     for line in ip("-o", "link", "show", check=False).stdout.splitlines():
         parts = line.split(":")
-        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(PREFIX):
-            link = parts[1].strip().split("@")[0]
+        link = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        if link.startswith(PREFIX) and not creator_alive(link):
             ip("link", "delete", link, check=False)
             removed.append(link)
     return removed

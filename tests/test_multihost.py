@@ -286,23 +286,26 @@ def descendants(pid: int) -> List[int]:
 # ----- host names that resolve to loopback, unreachable addresses: start-up fails fast or adapts ----
 @pytest.fixture(scope="module")
 def loopback_named(hosts) -> List[Host]:
-    """The same two hosts, each with Debian's default line ``127.0.1.1 <own name>`` in its hosts file."""
+    """The same two hosts with hosts files as often found: tbnode1's own name on 127.0.1.1
+    (Debian's default line), tbnode2's own name missing (it does not resolve there)."""
     renamed = []
     for host in hosts.hosts:
         others = "".join(f"{h.addr}\t{h.name}\n" for h in hosts.hosts if h is not host)
+        own = f"127.0.1.1\t{host.name}\n" if host is hosts.hosts[0] else ""
         path = host.hosts_file.with_name(host.hosts_file.name + ".loopback")
-        path.write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n{others}")
+        path.write_text(f"127.0.0.1\tlocalhost\n{own}{others}")
         renamed.append(dataclasses.replace(host, hosts_file=path))
     return renamed
 
 
-def test_host_names_on_loopback_need_no_gloo_socket_ifname(hosts, loopback_named, rsh_agent, references, tmp_path):
-    # gloo would listen on 127.0.1.1; trainbridge gives it the interface towards the rendezvous instead.
+def test_host_names_on_loopback_or_unresolved_need_no_gloo_socket_ifname(hosts, loopback_named, rsh_agent, references, tmp_path):
+    # gloo would listen on loopback on both hosts; trainbridge gives it the interface towards the rendezvous.
     a = loopback_named[0]
     args = programs(tmp_path)["parity"]
     procs = on_hosts({h: torchrun_static(r, a, 29631, args) for r, h in enumerate(loopback_named)},
                      tmp_path / "torchrun")
-    assert f"resolves only to loopback; gloo uses tbv0, the interface towards {a.addr}" in procs[0].output()
+    assert f"resolves only to loopback (127.0.1.1); gloo uses tbv0, the interface towards {a.addr}" in procs[0].output()
+    assert f"does not resolve (gloo takes loopback); gloo uses tbv0, the interface towards {a.addr}" in procs[1].output()
     assert_matches(references, tmp_path, "torchrun static, loopback host names", "parity")
     # Under mpirun rank 0 publishes an address the other host can reach, not its name.
     agent = write_rsh_agent(loopback_named, tmp_path / "rsh_agent")

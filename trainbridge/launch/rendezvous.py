@@ -187,8 +187,8 @@ def connect_failure(env: LaunchEnv, pg_backend: str, exc: BaseException) -> str:
 def choose_gloo_interface(env: LaunchEnv, rendezvous_addr: str, environ=None) -> None:
     """Set GLOO_SOCKET_IFNAME when gloo's own choice would fail across hosts.
 
-    gloo listens on the address this host's name resolves to. When that is only
-    loopback and the job spans hosts, peers elsewhere cannot connect and rank 0
+    gloo listens on the address this host's name resolves to, and on loopback
+    when it does not resolve. When that is loopback and the job spans hosts, peers elsewhere cannot connect and rank 0
     would wait for them until the timeout. gloo is then given the interface that
     carries the route to the rendezvous address (or, where that address is this
     host's own name, the first interface that is not loopback). A
@@ -198,17 +198,22 @@ def choose_gloo_interface(env: LaunchEnv, rendezvous_addr: str, environ=None) ->
     if environ.get("GLOO_SOCKET_IFNAME") or env.local_size >= env.world_size or is_loopback(rendezvous_addr):
         return
     host = socket.gethostname()
-    if not resolves_only_to_loopback(host):
-        return
+    addresses = resolve(host)
+    if addresses and not all(is_loopback(a) for a in addresses):
+        return  # gloo listens on the host name's network address
     interface = gloo_interface_for(rendezvous_addr)
     if interface is None and resolves_only_to_loopback(rendezvous_addr):
         interface = interface_of(first_external_address() or "")
     if interface is None:
-        raise UserError(f"host name {host!r} resolves only to loopback ({', '.join(resolve(host))}) and no "
+        raise UserError(f"host name {host!r} {names_loopback(addresses)} and no "
                         f"interface of this host routes to the rendezvous address {rendezvous_addr}, so ranks on "
                         f"other hosts cannot connect; set GLOO_SOCKET_IFNAME to the interface that reaches them, "
                         f"or map {host!r} to its network address in /etc/hosts")
     environ["GLOO_SOCKET_IFNAME"] = interface
     if env.local_rank == 0:
-        print(f"[trainbridge] host name {host!r} resolves only to loopback; gloo uses {interface}, the interface "
+        print(f"[trainbridge] host name {host!r} {names_loopback(addresses)}; gloo uses {interface}, the interface "
               f"towards {rendezvous_addr} (set GLOO_SOCKET_IFNAME to choose another)", file=sys.stderr, flush=True)
+
+
+def names_loopback(addresses) -> str:
+    return f"resolves only to loopback ({', '.join(addresses)})" if addresses else "does not resolve (gloo takes loopback)"

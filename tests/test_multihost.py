@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import psutil
 import pytest
-import torch
 
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
 from multihost.hosts import IFACE, Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers, run_on
@@ -252,7 +252,7 @@ def test_losing_a_host_ends_the_other_within_the_timeout_and_the_relaunch_resume
                 "\n".join(p.describe() for p in procs)
             time.sleep(0.1)
         # Every process of the job on tbnode2 at once: its torchrun agent and its worker.
-        killed = b_job = [pid for pid in b.pids() if pid in descendants(lost.proc.pid)]
+        killed = [pid for pid in b.pids() if pid in descendants(lost.proc.pid)]
         kill_pids(killed)
         lost_at = time.monotonic()
         codes, hang = wait_all([survivor], timeout=FAULT_TIMEOUT + 30)
@@ -261,7 +261,7 @@ def test_losing_a_host_ends_the_other_within_the_timeout_and_the_relaunch_resume
         for p in procs:
             p.kill()
     output = survivor.output()
-    print(f"host tbnode2 lost ({len(b_job)} processes killed): tbnode1 exited {codes[0]} after {detected:.1f}s")
+    print(f"host tbnode2 lost ({len(killed)} processes killed): tbnode1 exited {codes[0]} after {detected:.1f}s")
     assert not hang, hang
     assert codes[0] != 0, output[-3000:]
     assert detected < FAULT_TIMEOUT + 5, f"tbnode1 took {detected:.1f}s (--timeout {FAULT_TIMEOUT}):\n{output[-3000:]}"
@@ -275,7 +275,6 @@ def test_losing_a_host_ends_the_other_within_the_timeout_and_the_relaunch_resume
 
 
 def descendants(pid: int) -> List[int]:
-    import psutil
     try:
         parent = psutil.Process(pid)
         return [pid] + [child.pid for child in parent.children(recursive=True)]

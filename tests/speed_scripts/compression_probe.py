@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from trainbridge.backends import create_backend
+from trainbridge.backends import GradientExchange, create_backend
 from trainbridge.launch import detect_launch
 
 G = 1 + 2 ** -9 + 2 ** -13
@@ -29,9 +29,7 @@ class Probe(torch.nn.Module):
 def averaged_gradient(backend, compression: str) -> float:
     model = Probe()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    # One process group for several compressions: the option normally fixed at construction is set per probe.
-    backend.compression = compression
-    model, optimizer = backend.wrap(model, optimizer)
+    model, optimizer = backend.wrap(model, optimizer, GradientExchange(compression=compression))
     optimizer.zero_grad()
     model(torch.tensor([G])).backward()
     backend.step(optimizer)

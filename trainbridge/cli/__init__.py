@@ -8,7 +8,7 @@ USAGE = """usage: trainbridge <command> [options]
 
 commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
-  doctor   print versions, available collective libraries and the detected launcher
+  doctor   versions, collective libraries, the detected launcher; --hosts A,B checks a multi-node set-up
   data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
   bench    trainbridge under every launcher against hand-written baselines (--quick: smoke test)
 """
@@ -25,7 +25,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         exit_process(train_main(rest))
     if command == "doctor":
         from .doctor import main as doctor_main
-        return doctor_main()
+        return doctor_main(rest)
     if command == "data":
         from ..data.designsafe_sample import main as data_main
         return data_main(rest)

@@ -135,8 +135,7 @@ def host_problems(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    # The console script calls main() without arguments: ours follow "doctor" on its command line.
-    args = parse_args(sys.argv[2:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.route_to:
         from ..launch.network import gloo_interface_for
 

@@ -1,4 +1,4 @@
-"""Image-folder data: layout checks, transforms and per-rank DataLoaders.
+"""Image-folder data: layout checks, transforms and the dataset (hidden files and folders left out).
 
 Layout (any class names; the folder names are fixed)::
 
@@ -9,17 +9,16 @@ Layout (any class names; the folder names are fixed)::
 :func:`check_layout` rejects every input that would otherwise fail late or
 silently (a missing split, classes that differ between splits, an empty class,
 a file that is not a readable image) with one :class:`UserError` line naming
-the problem and the fix. Sharding is not decided here: training follows the
-backend's sampler, evaluation reads exactly the indices the backend gives.
+the problem and the fix. Sharding is not decided here: the public API's loaders
+shard and batch the dataset.
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List
 
-import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import Dataset
 
 from ..errors import UserError, first_line
 from ..launch.environment import available_cores
@@ -138,46 +137,3 @@ def load_split(folder: str, transform) -> Dataset:
 def auto_workers(local_size: int) -> int:
     """DataLoader workers per rank: the available cores shared among this node's processes."""
     return max(0, available_cores() // max(1, local_size))
-
-
-class DeviceBatches:
-    """Re-iterable DataLoader view that moves each batch to ``device``."""
-
-    def __init__(self, loader: DataLoader, device: torch.device) -> None:
-        self.loader, self.device = loader, device
-        self.non_blocking = device.type == "cuda"  # pinned host memory copies asynchronously
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        for images, labels in self.loader:
-            yield images.to(self.device, non_blocking=self.non_blocking), labels.to(self.device, non_blocking=self.non_blocking)
-
-
-def _loader(dataset: Dataset, batch_size: int, device: torch.device, workers: int,
-            sampler: Optional[Sampler] = None, drop_last: bool = False) -> DeviceBatches:
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=drop_last,
-                        num_workers=workers, pin_memory=device.type == "cuda",
-                        # Workers start once and survive across epochs: no re-fork per epoch.
-                        persistent_workers=workers > 0)
-    return DeviceBatches(loader, device)
-
-
-def train_batches(dataset: Dataset, sampler: Sampler, batch_size: int, device: torch.device,
-                  workers: int) -> DeviceBatches:
-    """Batches in ``sampler``'s order, re-read on every pass.
-
-    The DataLoader is built once with ``sampler=`` the backend's DistributedSampler:
-    each ``iter()`` asks the sampler again, so the loop's ``sampler.set_epoch(e)``
-    reshuffles (identically on every rank) while the persistent workers stay up.
-    A last batch of one sample is dropped: BatchNorm cannot train on it.
-    """
-    return _loader(dataset, batch_size, device, workers, sampler=sampler,
-                   drop_last=len(sampler) > batch_size and len(sampler) % batch_size == 1)  # type: ignore[arg-type]
-
-
-def eval_batches(dataset: Dataset, indices: Sequence[int], batch_size: int, device: torch.device,
-                 workers: int) -> DeviceBatches:
-    """Batches of exactly ``indices`` (this rank's unpadded shard), in order."""
-    return _loader(Subset(dataset, list(indices)), batch_size, device, workers)

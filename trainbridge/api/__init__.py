@@ -1,5 +1,6 @@
 """The public API (``import trainbridge as tb``): :func:`init` returns a :class:`Job`."""
-from .job import Job, init, read_file
+from .files import read_file
+from .job import Job, init
 from .loaders import EvalLoader, TrainLoader
 from .spawn import spawn
 

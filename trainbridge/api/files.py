@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 
 def fsync_dir(directory: str) -> None:
@@ -74,6 +74,19 @@ def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = N
         os.replace(path, keep_previous)
     os.replace(tmp, path)
     fsync_dir(directory)
+
+
+def read_file(path: str, map_location: Any = "cpu", missing: str = "check the path",
+              corrupt: str = "delete it or load another file") -> Any:
+    """``torch.load(path, weights_only=True)``; a missing or unreadable file is one UserError line
+    ending in ``missing`` or ``corrupt`` (what to do about it)."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist; {missing}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: {first_line(exc)}); "
+                        f"{corrupt}") from None
 
 
 def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:

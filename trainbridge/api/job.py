@@ -34,11 +34,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from ..backends import Backend, GradientExchange, create_backend
-from ..errors import UserError, first_line
+from ..errors import UserError
 from ..launch import LaunchEnv, detect_launch, report_error
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
-from .files import BackgroundWriter, save_all
+from .files import BackgroundWriter, read_file, save_all
 from .loaders import EvalLoader, TrainLoader
 from .stop import StopSignal, Watchdog
 
@@ -363,17 +363,6 @@ class Job:
     def __repr__(self) -> str:
         return (f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
                 f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})")
-
-
-def read_file(path: str, device: Any = "cpu") -> Dict[str, Any]:
-    """``torch.load(path, weights_only=True)`` with one-line errors for a missing or unreadable file."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist; check the path (resume only when the file is there)")
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
-        raise UserError(f"{path} is corrupt or not a checkpoint ({type(exc).__name__}: {first_line(exc)}); "
-                        f"delete it or load another file") from None
 
 
 def rng_state() -> torch.Tensor:

@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 
-from ..errors import UserError, first_line
+from ..api.files import read_file
+from ..errors import UserError
 
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 FORMAT = "trainbridge-checkpoint-1"
@@ -32,14 +33,8 @@ FORMAT = "trainbridge-checkpoint-1"
 
 def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     """Load a trainbridge checkpoint; UserError naming the file when it is missing or unreadable."""
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist; check the path, or use --resume auto/never")
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "corrupt"
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
-                        f"{first_line(exc)}); "
-                        f"delete it or pass --resume with another file") from None
+    checkpoint = read_file(path, map_location, missing="check the path, or use --resume auto/never",
+                           corrupt="delete it or pass --resume with another file")
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
                         f"for weights only, load it with torch.load and --resume never")

@@ -44,6 +44,27 @@ def missing_requirements() -> Optional[str]:
     return None
 
 
+class Started:
+    """A context manager that always undoes what it started, also when starting fails half-way."""
+
+    def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
 class Host:
     name: str        # its UTS host name, resolvable on every host through the hosts files
@@ -151,7 +172,7 @@ def remove_leftovers() -> List[str]:
     return removed
 
 
-class TwoHosts:
+class TwoHosts(Started):
     """Host ``tbnode1`` (10.77.0.1) and host ``tbnode2`` (10.77.0.2), joined by one veth pair.
 
     Use as a context manager: everything is removed on exit, also after a failure.
@@ -164,18 +185,7 @@ class TwoHosts:
                            hosts_file=workdir / f"hosts.tbnode{n}") for n in (1, 2)]
         self._veth = [f"{PREFIX}{os.getpid()}h{n}"[:15] for n in (1, 2)]
 
-    def __enter__(self) -> "TwoHosts":
-        try:
-            self._create()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def _create(self) -> None:
+    def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         table = "".join(f"{h.addr}\t{h.name}\n" for h in self.hosts)
         for host in self.hosts:
@@ -191,7 +201,7 @@ class TwoHosts:
             ip(*ns, "link", "set", IFACE, "up")
             ip(*ns, "link", "set", "lo", "up")
 
-    def remove(self) -> None:
+    def stop(self) -> None:
         for host in self.hosts:
             remove_namespace(host.netns)
         for veth in self._veth:  # only there if creation stopped half-way

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from .hosts import Host
+from .hosts import Host, Started
 from .jobs import HostProcess
 
 DAEMONS = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo")
@@ -26,7 +26,7 @@ def missing_daemons() -> List[str]:
     return [name for name in DAEMONS if shutil.which(name) is None]
 
 
-class SlurmCluster:
+class SlurmCluster(Started):
     def __init__(self, hosts: Sequence[Host], workdir: Path) -> None:
         self.hosts, self.dir = list(hosts), workdir
         self.conf = workdir / "slurm.conf"
@@ -34,17 +34,6 @@ class SlurmCluster:
 
     def env(self) -> Dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
-
-    def __enter__(self) -> "SlurmCluster":
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def _config(self) -> str:
         head = self.hosts[0]

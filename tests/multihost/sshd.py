@@ -13,30 +13,19 @@ import time
 from pathlib import Path
 from typing import List, Sequence
 
-from .hosts import Host
+from .hosts import Host, Started
 from .jobs import HostProcess
 
 PORT = 2222
 SSHD = "/usr/sbin/sshd"
 
 
-class SshdPerHost:
+class SshdPerHost(Started):
     def __init__(self, hosts: Sequence[Host], workdir: Path) -> None:
         self.hosts, self.dir = list(hosts), workdir
         self.key = workdir / "client_key"
         self.bin = workdir / "bin"
         self.procs: List[HostProcess] = []
-
-    def __enter__(self) -> "SshdPerHost":
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def _start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ def evaluate(job, model, dataset):
     return loss / count, correct / count
 
 
-def main(args) -> int:
+def main(args) -> None:
     job = tb.init(backend=args.backend, timeout=args.timeout)
     if args.global_batch % job.world_size:
         raise tb.UserError(f"--global-batch {args.global_batch} is not divisible by the {job.world_size} ranks; "
@@ -82,8 +82,7 @@ def main(args) -> int:
             if job.should_stop():  # SIGTERM on any rank: every rank stops at this step
                 job.save(state, last)
                 job.print(f"stopped by SIGTERM after step {state['step']}; run the same command to resume")
-                job.shutdown()
-                return 143
+                job.exit(143)
             if args.checkpoint_every and state["step"] % args.checkpoint_every == 0:
                 job.save(state, last, background=True)  # written while training goes on
         job.drain_stop()
@@ -93,8 +92,7 @@ def main(args) -> int:
 
     job.save({"model": model, "step": state["step"], "world_size": job.world_size}, os.path.join(args.output_dir, "final.pt"))
     job.print(f"done: wrote {args.output_dir}/final.pt")
-    job.shutdown()
-    return 0
+    job.exit(0)
 
 
 def parse_args(argv=None):

@@ -1,5 +1,6 @@
 """``python -m trainbridge.train``: the same as ``trainbridge train`` (see :mod:`trainbridge.cli.train`)."""
-from .cli.train import exit_process, main
+from .api.job import exit_process
+from .cli.train import main
 
 if __name__ == "__main__":
     exit_process(main())

@@ -24,18 +24,20 @@ loaders, checkpoints, the stop agreement and one-line errors.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 
 from ..backends import Backend, GradientExchange, create_backend
 from ..errors import UserError
 from ..launch import LaunchEnv, detect_launch, report_error
+from ..launch.rendezvous import finalize_mpi
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
 from .files import BackgroundWriter, read_file, save_all
@@ -360,9 +362,38 @@ class Job:
             self.backend.shutdown(clean=clean)
         _errors.job = None
 
+    def exit(self, code: int = 0) -> NoReturn:
+        """:meth:`shutdown`, then end this process with ``code`` at once (see :func:`exit_process`)."""
+        self.shutdown()
+        exit_process(code)
+
     def __repr__(self) -> str:
         return (f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
                 f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})")
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code`` once the work is done, skipping the interpreter's C++ teardown.
+
+    After a clean shutdown of the process group, gloo and the rendezvous store can
+    still hold helper threads in static objects; destroying them at interpreter exit
+    sometimes aborts the process ("terminate called without an active exception",
+    SIGABRT), which a launcher reports as a failed rank. Everything this process
+    owes the job (checkpoints, metrics, the shutdown barrier) is finished here, so
+    flush and leave directly (after a collection, so DataLoader workers are shut down).
+    It also closes a race: the interpreter's teardown restores the default SIGTERM
+    action, so a launcher that stops the other ranks once the first has exited would
+    kill a rank that had finished its work.
+    A failed rank skips MPI_Finalize, which could wait on peers that are gone; mpirun
+    then reports it as failed, as it should.
+    """
+    gc.collect()
+    if code == 0:
+        finalize_mpi()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
 
 
 def rng_state() -> torch.Tensor:

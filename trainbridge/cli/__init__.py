@@ -21,7 +21,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from .train import exit_process, main as train_main
+        from ..api.job import exit_process
+        from .train import main as train_main
         exit_process(train_main(rest))
     if command == "doctor":
         from .doctor import main as doctor_main

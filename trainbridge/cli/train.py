@@ -13,16 +13,12 @@ Bad input ends with one line ``trainbridge: error: ...`` on stderr and exit stat
 from __future__ import annotations
 
 import functools
-import gc
-import os
-import sys
 from typing import List, Optional
 
 from ..api import init
-from ..api.job import describe
+from ..api.job import describe, exit_process
 from ..errors import UserError
 from ..launch import detect_launch, report_error
-from ..launch.rendezvous import finalize_mpi
 from ..launch.spawn import spawn_workers
 from ..training.config import TrainConfig, parse_config
 from ..training.fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
@@ -66,26 +62,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return spawn_workers(cfg.nproc, functools.partial(run_worker, cfg))
     return run_worker(cfg)
-
-
-def exit_process(code: int) -> None:
-    """Exit with ``code`` once the work is done, skipping the interpreter's C++ teardown.
-
-    After a clean shutdown of the process group, gloo and the rendezvous store can
-    still hold helper threads in static objects; destroying them at interpreter exit
-    sometimes aborts the process ("terminate called without an active exception",
-    SIGABRT), which a launcher reports as a failed rank. Everything this process
-    owes the job (checkpoints, metrics, the shutdown barrier) is finished here, so
-    flush and leave directly (after a collection, so DataLoader workers are shut down).
-    A failed rank skips MPI_Finalize, which could wait on peers that are gone; mpirun
-    then reports it as failed, as it should.
-    """
-    gc.collect()
-    if code == 0:
-        finalize_mpi()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ fi
 if ! "$VPY" -c "import trainbridge, sys; sys.exit(0 if trainbridge.__file__.startswith('$ROOT') else 1)" 2>/dev/null \
    || [ setup.cfg -nt "$VENV/.trainbridge-installed" ]; then
     log "installing trainbridge (editable) and its dependencies"
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,bench,docs]"
     touch "$VENV/.trainbridge-installed"
 fi
 log "ready: $VENV"

@@ -238,3 +238,21 @@ def test_global_batch_not_divisible_by_the_ranks_is_one_line(launcher, tmp_path)
     if launcher != "torchrun":  # torchrun exits 1 whatever its workers' status
         assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     assert not (tmp_path / "last.pt").exists()
+
+
+MISSPELLED_FREEZE = """
+import torch, trainbridge as tb
+job = tb.init()
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+for p in model[0].parameters():
+    p.require_grad = False  # the typo: a new attribute, nothing is frozen
+job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+print("prepared")
+"""
+
+
+def test_a_head_frozen_with_require_grad_is_refused_in_one_line():
+    result = run([PYTHON, "-c", MISSPELLED_FREEZE], timeout=60)
+    assert_one_clear_line(result, r"parameter '0\.weight' has an attribute require_grad.*requires_grad = False")
+    assert result.returncode == 2
+    assert "prepared" not in result.stdout

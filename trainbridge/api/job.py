@@ -106,26 +106,32 @@ class Job:
     # ----- where this process is ------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the job, 0 to ``world_size - 1``."""
         return self.backend.rank
 
     @property
     def world_size(self) -> int:
+        """Number of ranks (processes) in the job."""
         return self.backend.world_size
 
     @property
     def local_rank(self) -> int:
+        """This process's rank among the ranks on its host (its GPU index when there are GPUs)."""
         return self.backend.local_rank
 
     @property
     def device(self) -> torch.device:
+        """Where this rank computes: ``cuda:<local_rank>`` when CUDA is available, else the CPU."""
         return self.backend.device
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the rank that writes checkpoints and prints."""
         return self.backend.is_main
 
     @property
     def launcher(self) -> str:
+        """What started this process: torchrun, spawn (``tb.spawn``), horovodrun, mpirun, srun, env or python."""
         return self.backend.env.launcher
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -147,6 +153,7 @@ class Job:
         average through shared memory instead of gloo (torch backend).
         """
         exchange = GradientExchange(accumulate=accumulate, compression=compression, shm_allreduce=shm_allreduce)
+        check_freezing_spelled_right(model)
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
         if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -219,6 +226,7 @@ class Job:
         return self.backend.broadcast_object(obj, src)
 
     def barrier(self) -> None:
+        """Wait until every rank has reached this call."""
         self.backend.barrier()
 
     def sync_buffers(self, model: torch.nn.Module) -> None:
@@ -394,6 +402,17 @@ def exit_process(code: int) -> NoReturn:
     sys.stderr.flush()
     os._exit(code)
 
+
+
+def check_freezing_spelled_right(model: torch.nn.Module) -> None:
+    """Refuse ``p.require_grad = False`` (no s): a new attribute that PyTorch ignores, so nothing is frozen."""
+    for kind, named in (("parameter", model.named_parameters()), ("module", model.named_modules())):
+        for name, obj in named:
+            if "require_grad" in getattr(obj, "__dict__", {}):
+                what = f"{kind} {name!r}" if name else "the model"
+                raise UserError(f"{what} has an attribute require_grad, which PyTorch ignores, so it is still "
+                                f"trained; to freeze it set requires_grad = False (with an s), or "
+                                f"module.requires_grad_(False)")
 
 
 def rng_state() -> torch.Tensor:

@@ -80,6 +80,7 @@ class TrainLoader:
 
     @property
     def global_batch_size(self) -> int:
+        """Samples per step over all ranks: ``batch_size * world_size``."""
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
@@ -106,11 +107,16 @@ class TrainLoader:
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> Dict[str, int]:
+        """The loader's position: epoch, samples of it already handed out, seed, dataset size, global batch."""
         self._roll_over()
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "dataset_size": len(self.dataset), "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue from a :meth:`state_dict`; the dataset size and the seed must be the checkpoint's.
+
+        Another world size is accepted: the rest of the epoch is re-dealt among the new ranks.
+        """
         if state["dataset_size"] != len(self.dataset):
             raise UserError(f"the checkpoint's train loader had {state['dataset_size']} samples, this one has "
                             f"{len(self.dataset)}; resume with the same dataset or start a fresh run")
@@ -137,6 +143,7 @@ class EvalLoader:
         self.loader = DataLoader(shard, batch_size=batch_size, shuffle=False, **options)
 
     def __len__(self) -> int:
+        """Batches in this rank's shard."""
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:

@@ -4,9 +4,9 @@ A drop-in for ``import horovod.torch as hvd`` (0.28.1 names, signatures and
 defaults). When horovodrun started the job this module *is* the real
 ``horovod.torch`` (delegation); under torchrun, mpirun, srun or plain python it
 runs the same API on torch.distributed (gloo on CPUs, nccl for CUDA tensors),
-with plain python as a job of size 1. :mod:`.delegation` documents the choice;
-docs/MIGRATING_FROM_HOROVOD.md is the user guide: launch commands, behaviour, and
-every name with its status ("Every name and its status").
+with plain python as a job of size 1. :func:`use_real_horovod` makes the choice;
+the guide "Migrating from Horovod" (docs/MIGRATING_FROM_HOROVOD.md) has the launch
+commands, the behaviour, and every name with its status.
 
 ``hvd.using_real_horovod`` tells which one is active.
 """
@@ -17,6 +17,7 @@ from .delegation import use_real_horovod
 
 try:
     using_real_horovod = use_real_horovod()
+    """True when this module is the real ``horovod.torch`` (under horovodrun), False on the torch backend."""
 except _UserError as _exc:
     # A script's import, not an entry point: report the bad environment as the CLI does, one line
     # (from the first rank only) and exit status 2, instead of a traceback on every rank.

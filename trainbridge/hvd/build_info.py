@@ -14,22 +14,27 @@ from .process import is_initialized
 
 
 def mpi_built() -> bool:
+    """True when this torch build has torch.distributed's MPI backend."""
     return dist.is_mpi_available()
 
 
 def mpi_enabled() -> bool:
+    """Always False: the torch backend runs collectives over gloo and nccl, even under mpirun."""
     return False
 
 
 def mpi_threads_supported() -> bool:
+    """Raises ``ValueError`` as Horovod does when MPI is not enabled (never on the torch backend)."""
     raise ValueError("Horovod MPI is not enabled; the torch backend runs collectives over gloo/nccl")
 
 
 def gloo_built() -> bool:
+    """True when this torch build has gloo."""
     return dist.is_gloo_available()
 
 
 def gloo_enabled() -> bool:
+    """True once :func:`init` has run (collectives negotiate over gloo)."""
     return is_initialized() and dist.is_gloo_available()
 
 
@@ -42,16 +47,20 @@ def nccl_built() -> int:
 
 
 def cuda_built() -> bool:
+    """True when this torch build has CUDA."""
     return torch.backends.cuda.is_built() and torch.version.cuda is not None
 
 
 def rocm_built() -> bool:
+    """True when this torch build has ROCm (HIP)."""
     return torch.version.hip is not None
 
 
 def ddl_built() -> bool:
+    """Always False: IBM DDL is not supported."""
     return False
 
 
 def ccl_built() -> bool:
+    """Always False: oneCCL is not supported."""
     return False

@@ -134,18 +134,21 @@ def _allreduce_async(tensors, outputs, grouped, average, name, op, prescale_fact
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> int:
+    """Start :func:`allreduce` without waiting; returns a handle for :func:`synchronize` or :func:`poll`."""
     return _allreduce_async([tensor], lambda: [torch.empty_like(tensor)], False, average, name, op,
                             prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
+    """Start an in-place :func:`allreduce_` without waiting; returns a handle for :func:`synchronize`."""
     return _allreduce_async([tensor], [tensor], False, average, name, op, prescale_factor, postscale_factor,
                             process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
+    """In-place :func:`allreduce`: ``tensor`` is overwritten with the result, which is also returned."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
@@ -175,18 +178,21 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start :func:`grouped_allreduce` without waiting; returns a handle for :func:`synchronize`."""
     return _allreduce_async(list(tensors), lambda: [torch.empty_like(t) for t in tensors], True, average, name,
                             op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start an in-place :func:`grouped_allreduce_` without waiting; returns a handle."""
     return _allreduce_async(list(tensors), list(tensors), True, average, name, op, prescale_factor,
                             postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
+    """In-place :func:`grouped_allreduce`: every tensor of ``tensors`` is overwritten with its result."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
@@ -243,6 +249,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # ----- allgather --------------------------------------------------------------
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    """Start :func:`allgather` without waiting; returns a handle for :func:`synchronize`."""
     with _validating("allgather", name, process_set) as target:
         _needs_rows("allgather", [tensor])
         announcement = target.announce("allgather", [tensor])
@@ -250,6 +257,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    """Start :func:`grouped_allgather` without waiting; returns a handle for :func:`synchronize`."""
     with _validating("allgather", name, process_set) as target:
         _needs_rows("allgather", tensors)
         announcement = target.announce("allgather", tensors)
@@ -293,6 +301,7 @@ class _GroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> List[torch.Tensor]:
+    """:func:`allgather` of a list of tensors as one operation (one name); a list of results."""
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
@@ -307,14 +316,17 @@ def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Start :func:`broadcast` without waiting; returns a handle for :func:`synchronize`."""
     return _broadcast_async(tensor, lambda: torch.empty_like(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Start an in-place :func:`broadcast_` without waiting; returns a handle for :func:`synchronize`."""
     return _broadcast_async(tensor, tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """In-place :func:`broadcast`: ``tensor`` is overwritten with rank ``root_rank``'s, and returned."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
@@ -359,6 +371,7 @@ def _row_splits(tensor: torch.Tensor, splits, size: int) -> List[int]:
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start :func:`alltoall` without waiting; returns a handle for :func:`synchronize`."""
     with _validating("alltoall", name, process_set) as target:
         _check(tensor)
         row_splits = _row_splits(tensor, splits, len(target.members))
@@ -400,11 +413,13 @@ def _reducescatter_async(tensors, grouped, name, op, process_set, prescale_facto
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
+    """Start :func:`reducescatter` without waiting; returns a handle for :func:`synchronize`."""
     return _reducescatter_async([tensor], False, name, op, process_set, prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Start :func:`grouped_reducescatter` without waiting; returns a handle for :func:`synchronize`."""
     return _reducescatter_async(list(tensors), True, name, op, process_set, prescale_factor, postscale_factor)
 
 
@@ -451,6 +466,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """:func:`reducescatter` of a list of tensors as one operation (one name); a list of results."""
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, ctx) for t, ctx in zip(reduced, ctxs)]

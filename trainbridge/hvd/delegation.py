@@ -54,6 +54,11 @@ def started_by_horovodrun_mpi(environ: Mapping[str, str]) -> bool:
 
 
 def use_real_horovod(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``import trainbridge.hvd`` becomes the real ``horovod.torch`` for ``environ``.
+
+    True under horovodrun (Gloo or ``--mpi``); ``TRAINBRIDGE_HVD_BACKEND=horovod`` or ``torch``
+    overrides the choice, and a choice that cannot work (horovod under torchrun) is a ``UserError``.
+    """
     environ = os.environ if environ is None else environ
     override = environ.get("TRAINBRIDGE_HVD_BACKEND")
     if override:

@@ -152,41 +152,51 @@ def _at_exit() -> None:
 
 
 def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
     return _runtime is not None
 
 
 def size() -> int:
+    """Number of ranks in the job (Horovod's ``hvd.size()``); ``ValueError`` before :func:`init`."""
     return runtime().size
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to ``size() - 1``."""
     return runtime().rank
 
 
 def local_size() -> int:
+    """Number of ranks on this host."""
     return runtime().local_size
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its host (the GPU index to use)."""
     return runtime().local_rank
 
 
 def cross_size() -> int:
+    """Number of hosts that have a rank with this process's local rank."""
     return runtime().cross_size
 
 
 def cross_rank() -> int:
+    """This host's index among the hosts (for ranks with the same local rank)."""
     return runtime().cross_rank
 
 
 def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (a trainbridge addition, absent under horovodrun)."""
     return runtime().homogeneous
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline; not available on the torch backend (``NotImplementedError``: use ``torch.profiler``)."""
     raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun); on the torch backend "
                               "use torch.profiler")
 
 
 def stop_timeline() -> None:
+    """Horovod's timeline; not available on the torch backend (``NotImplementedError``)."""
     raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun)")

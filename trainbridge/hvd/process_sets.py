@@ -87,6 +87,7 @@ class ProcessSet:
 
 
 global_process_set = ProcessSet([])
+"""The set of all ranks (``process_set_id`` 0): the default ``process_set`` of every operation."""
 global_process_set.process_set_id = 0
 
 

@@ -9,7 +9,18 @@ from typing import Optional
 
 import torch.distributed as dist
 
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+Average = 0
+"""Reduction op: the sum over ranks divided by their number (the default of every reduction)."""
+Sum = 1
+"""Reduction op: the sum over ranks."""
+Adasum = 2
+"""Reduction op: Horovod's Adasum; only under horovodrun (the real Horovod), else ``NotImplementedError``."""
+Min = 3
+"""Reduction op: the element-wise minimum over ranks."""
+Max = 4
+"""Reduction op: the element-wise maximum over ranks."""
+Product = 5
+"""Reduction op: the element-wise product over ranks."""
 
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 # Average is Sum followed by a 1/size post-scale (see engine.py).

@@ -20,6 +20,13 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 class Task(abc.ABC):
+    """A workload for ``trainbridge train``: data, model, loss, metrics, its own options and training defaults.
+
+    Subclass it and name it with ``--task module:Class`` or ``--task ./file.py:Class``. The abstract
+    members are required; the others have defaults. The class attributes ``default_*`` are the
+    training options used when the command line does not give them.
+    """
+
     name: str = "base"
     # Training defaults, used when the matching option is not given.
     default_model: str = ""
@@ -78,6 +85,7 @@ class Task(abc.ABC):
         """A freshly initialised model (the loop seeds the RNG first)."""
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The training and validation loss; ``reduction`` is "mean" (training) or "sum" (evaluation). Default: cross-entropy."""
         return torch.nn.functional.cross_entropy(outputs, targets, reduction=reduction)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:

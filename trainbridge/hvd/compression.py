@@ -47,4 +47,6 @@ class Compression:
     """Optional gradient compression used during allreduce."""
 
     none = NoneCompressor
+    """No compression (the default)."""
     fp16 = FP16Compressor
+    """Floating-point gradients travel as float16: half the bytes per allreduce."""

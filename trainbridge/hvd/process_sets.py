@@ -47,6 +47,7 @@ class ProcessSet:
         if any(not isinstance(r, int) for r in ranks):
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.ranks = ranks
+        """The global ranks of the set, sorted."""
 
     def _invalidate(self) -> None:
         self.process_set_id = None

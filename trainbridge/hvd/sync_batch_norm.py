@@ -30,6 +30,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise ``input`` with the statistics of the whole global batch (training) or the running ones."""
         self._check_input_dim(input)
         use_batch_stats = self.training or not self.track_running_stats
         if not use_batch_stats or size() == 1:

@@ -28,12 +28,18 @@ class Task(abc.ABC):
     """
 
     name: str = "base"
+    """The task's name in logs and checkpoints."""
     # Training defaults, used when the matching option is not given.
     default_model: str = ""
+    """``--model`` when not given (tasks that build their own model ignore it)."""
     default_optimizer: str = "adadelta"
+    """``--optimizer`` when not given: sgd, adam or adadelta."""
     default_lr: float = 1.0
+    """``--lr`` when not given."""
     default_scheduler: str = "step"  # "step" (StepLR, gamma per epoch) or "plateau" (ReduceLROnPlateau on val loss)
+    """``--scheduler`` when not given: "step" (StepLR, ``--gamma`` per epoch) or "plateau" (on the validation loss)."""
     accepts_transfer_options: bool = False  # --no-pretrained, --pretrained-weights, --freeze-backbone
+    """Whether ``--no-pretrained``, ``--pretrained-weights`` and ``--freeze-backbone`` apply to this task."""
 
     def validate_config(self, cfg) -> None:
         """Raise UserError for options or data this task cannot use.

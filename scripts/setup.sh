@@ -31,13 +31,13 @@ fi
 # Debian's packages start nothing here (no systemd). Skipped where apt-get is
 # missing or the user is neither root nor a sudoer: the tests then skip with a reason.
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
-   || ! command -v srun >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+   || ! command -v srun >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ] || ! command -v chromium >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
     if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; }; then
-        log "installing SLURM (slurmctld, slurmd, client) and openssh-server from Debian packages"
+        log "installing SLURM (slurmctld, slurmd, client), openssh-server and Chromium from Debian packages"
         $SUDO apt-get update -qq
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-            slurmctld slurmd slurm-client openssh-server openssh-client iproute2 util-linux >/dev/null
+            slurmctld slurmd slurm-client openssh-server openssh-client iproute2 util-linux chromium >/dev/null
     else
         log "SLURM/sshd not installed (no apt-get or no root): the two-host tests will skip"
     fi

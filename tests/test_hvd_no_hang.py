@@ -1,4 +1,4 @@
-"""No ``trainbridge.hvd`` operation can hang (issue 21): rejected inputs, stalls and a failing engine.
+"""No ``trainbridge.hvd`` operation can hang: rejected inputs, stalls and a failing engine.
 
 tests/hvd_scripts/no_hang.py runs each situation under torchrun with 2 processes and short stall
 limits; every rank must report every phase as ok, each within the seconds the script allows.

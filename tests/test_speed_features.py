@@ -1,4 +1,4 @@
-"""The speed features of issue 6 on both backends: --accumulate, --amp, --compression, --channels-last,
+"""The speed features on both backends: --accumulate, --amp, --compression, --channels-last,
 and Horovod's cycle time on CPUs.
 
 Each test compares weights or numbers that would differ if the feature were

@@ -1,4 +1,4 @@
-"""The MNIST models of the tutorials this project grew from. All return logits."""
+"""The MNIST models of the PyTorch and Horovod MNIST tutorials. All return logits."""
 from __future__ import annotations
 
 from torch import nn

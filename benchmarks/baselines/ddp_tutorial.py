@@ -2,13 +2,18 @@
 
 DistributedSampler + DataLoader (per-sample indexing and default collate) over
 the workload's dataset, DistributedDataParallel, and ``loss.item()`` logged
-every step. Only the model, data and optimizer come from the bench's workload
-entry, so that trainbridge and this script train the same thing, and the step
-timer is the bench's, so that both are timed the same way.
+every step. At each epoch end it scores the validation set the tutorial way (a
+DistributedSampler shard per rank, counts summed with ``all_reduce``: the
+sampler pads the last shard, so some samples are counted twice) and rank 0
+saves a checkpoint. Only the model, data and optimizer come from the bench's
+workload entry, so that trainbridge and this script train the same thing, and
+the step timer is the bench's, so that both are timed the same way.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/ddp_tutorial.py \
         --workload mnist-convnet --threads 1 --steps 160 --warmup-steps 10 --output-dir runs/ddp
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,8 +22,20 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
+from trainbridge.cli.bench.measure import StepTimer, leave, rank_performance, write_final
 from trainbridge.cli.bench.workloads import WORKLOADS
+
+
+def evaluate(model, loader):
+    """Accuracy and the number of samples counted, summed over ranks."""
+    model.eval()
+    counts = torch.zeros(2)  # correct, counted
+    with torch.no_grad():
+        for data, target in loader:
+            counts += torch.tensor([(model(data).argmax(dim=1) == target).sum().item(), len(target)])
+    dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item(), int(counts[1])
 
 
 def main():
@@ -31,13 +48,17 @@ def main():
     dataset = workload.dataset()
     # DDP: each process reads its own shard of the data.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler)
+    workers = workload.workers(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    train_loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler, num_workers=workers)
+    val_set = workload.eval_dataset()
+    val_loader = DataLoader(val_set, batch_size=workload.batch_size, num_workers=workers,
+                            sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False))
 
     torch.manual_seed(args.seed)
     # DDP: broadcasts rank 0's weights, then averages gradients during backward.
     model = DDP(workload.model())
     optimizer = workload.optimizer(model.parameters())
-    scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+    scheduler = StepLR(optimizer, step_size=1, gamma=workload.gamma)
 
     timer = StepTimer(args.warmup_steps)
     losses = []
@@ -59,15 +80,24 @@ def main():
             if step >= args.steps:
                 break
         timer.pause()
+        accuracy, val_samples = evaluate(model, val_loader)
+        if rank == 0:
+            print(f"Epoch {epoch + 1}: val accuracy {accuracy:.4f} ({val_samples} samples)")
+            # DDP: every rank holds the same weights, so one rank saves them.
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "epoch": epoch},
+                       os.path.join(args.output_dir, "checkpoint.pt"))
         scheduler.step()
         epoch += 1
 
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, rank_performance(timer))
     if rank == 0:
-        write_final(args.output_dir, per_rank, baseline="ddp_tutorial", world_size=world_size, step=step)
+        write_final(args.output_dir, per_rank, baseline="ddp_tutorial", world_size=world_size, step=step,
+                    val_samples=val_samples)
     dist.barrier()
     dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ EVAL_SPLITS = ("val", "test")
 def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_size: int) -> Dict[str, float]:
     """Exact loss and the task's metrics over the whole split, whatever the world size.
 
+    ``<split>_samples`` is how many samples were scored: the split's size, each counted once.
+
     ``model`` must be the unwrapped module: a forward pass of the DDP wrapper
     may run collectives (buffer broadcasts, when enabled), which hang when ranks
     have different numbers of evaluation batches.
@@ -49,7 +51,8 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_siz
                          dtype=torch.float64, device=job.device)
     # Each sample was seen by exactly one rank, so global sums are exact.
     *totals, total_count = job.allreduce(local, "sum").tolist()
-    return {f"{split}_{name}": value / total_count for name, value in zip(names, totals)}
+    return {**{f"{split}_{name}": value / total_count for name, value in zip(names, totals)},
+            f"{split}_samples": int(total_count)}
 
 
 def confusion_matrix(labels: torch.Tensor, predictions: torch.Tensor, num_classes: int) -> torch.Tensor:

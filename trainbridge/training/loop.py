@@ -57,13 +57,13 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
 
 
 def performance(timer: StepTimer, job: Job) -> Dict[str, object]:
-    """Throughput after warm-up (summed over ranks), step-time percentiles of rank 0, peak RSS per rank."""
+    """Throughput after warm-up (summed over ranks), step-time percentiles and first-step time of rank 0, peak RSS."""
     timing = timer.summary()
     per_rank = job.allgather_object({"sps": timing["local_samples_per_second"], "rss": peak_rss_mb()})
     rates = [r["sps"] for r in per_rank]
     return {"samples_per_second": sum(rates) if None not in rates else None,
             "step_time_median": timing["step_time_median"], "step_time_p90": timing["step_time_p90"],
-            "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank]}
+            "first_step_at": timer.first_step_at, "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank]}
 
 
 def find_checkpoint(cfg: TrainConfig, job: Job) -> Optional[dict]:
@@ -289,7 +289,8 @@ class Run:
         save_checkpoint(cfg, job, state, best=improved)
         job.commit(state)
         self.metrics.write(row)
-        scores = " ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith("val_"))
+        scores = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in row.items() if k.startswith("val_"))
         job.print(f"[trainbridge] epoch {row['epoch']} step {p.step}: train_loss {row['train_loss']:.4f} {scores}")
         return row
 

@@ -53,9 +53,12 @@ class StepTimer:
         self.samples_after_warmup = 0
         self._last: Optional[float] = None
         self._steps = 0
+        self.first_step_at: Optional[float] = None  # Unix time at the end of the first step: start-up cost
 
     def tick(self, batch_samples: int) -> None:
         now = time.perf_counter()
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
         if self._last is not None and self._steps >= self.warmup_steps:
             self.durations.append(now - self._last)
             self.samples_after_warmup += batch_samples

@@ -1,6 +1,6 @@
 """``trainbridge bench [--quick] [--nproc N] [--out DIR] [--repeats R]``.
 
-Runs every configuration and baseline of :mod:`.configs` for each workload,
+Runs every configuration, baseline and peer of :mod:`.configs` for each workload,
 writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``, and exits
 1 if any run failed or timed out (0 otherwise: speed targets are reported,
 not asserted). ``--quick`` is the CI smoke test: few steps, one repeat.
@@ -20,7 +20,7 @@ from ...errors import UserError
 from ...launch.environment import available_cores
 from . import report
 from .configs import BenchConfig, build_matrix, skip_reason
-from .runner import aggregate, run_matrix
+from .runner import COUNT_RANKS, aggregate, count_validation_samples, run_matrix
 from .targets import UNIT, evaluate_all, scaling_efficiency
 from .workloads import WORKLOADS
 
@@ -36,7 +36,8 @@ def default_workloads(quick: bool) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainbridge bench",
-                                description="trainbridge under every launcher against hand-written baselines.")
+                                description="trainbridge under every launcher against hand-written baselines "
+                                            "and its peers (Accelerate, Lightning Fabric).")
     p.add_argument("--quick", action="store_true", help="smoke test: few steps, 1 repeat (CI)")
     p.add_argument("--nproc", type=int, default=2, help="processes of the distributed configurations (default 2)")
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
@@ -109,12 +110,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"({warmup} warm-up), output in {out}", flush=True)
             runs = run_matrix([c for c in configs if c.key not in skipped], repeats, out / "runs" / name, timeout,
                               settle, noise_limit, args.noisy_retries, report=lambda line: print(line, flush=True))
+            ran = [c.key for c in configs if c.key not in skipped]
+            print(f"[bench] {name}: counting validation samples with {COUNT_RANKS} ranks", flush=True)
+            counted = count_validation_samples(workload, ran, out / "runs" / name, timeout, cores)
             summaries = {c.key: aggregate(c, [r for r in runs if r.key == c.key], skipped.get(c.key))
                          for c in configs}
+            for key, run in counted.items():
+                summaries[key]["val_samples_3_ranks"] = run.val_samples
+                if run.status != "ok":
+                    summaries[key]["status"] = "failed"
+                    summaries[key]["errors"].append(f"{COUNT_RANKS}-rank run: {run.error}")
             unit = summaries.get(UNIT, {}).get("samples_per_second")
             for summary in summaries.values():
                 summary["scaling_efficiency"] = scaling_efficiency(summary, unit)
             result["workloads"][name] = {"description": workload.description, "batch_size": workload.batch_size,
+                                         "val_set_size": len(workload.eval_dataset()),
                                          "steps": steps, "warmup_steps": warmup, "configs": summaries,
                                          "targets": evaluate_all(summaries)}
     except UserError as exc:

@@ -10,12 +10,17 @@ running on an idle one: one core's worth of training, as the name says.
 
 The baselines are scripts in ``benchmarks/baselines/``; :func:`baseline_parser`
 is the command line they all accept, built here next to the code that builds
-their commands.
+their commands. The peers are among them: the loop a user would write with
+Hugging Face Accelerate or Lightning Fabric instead, each as its documentation
+recommends, beside trainbridge's own API in a loop of one's own. These rows and
+the DDP tutorial evaluate at every epoch end and write a checkpoint, as
+``trainbridge train`` does, so that their wall times compare whole runs.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -33,13 +38,15 @@ BASELINES_DIR = REPO_ROOT / "benchmarks" / "baselines"
 class BenchConfig:
     key: str  # stable JSON key, e.g. "torch_gloo"
     label: str  # for tables and the chart
-    kind: str  # "trainbridge" or "baseline"
+    kind: str  # "trainbridge", "baseline" or "peer"
     group: str  # the chart puts a group's bars side by side: trainbridge beside its baseline
     nproc: int
     threads: int  # per rank
     argv: Tuple[str, ...]  # the command, less --output-dir
     needs_cpu_bf16: bool = False  # a reference row that only means something where the CPU computes in bf16
     pinned: bool = False  # the run and everything it starts may use only cores_used of the available cores
+    env: Tuple[Tuple[str, str], ...] = ()  # set for this row only
+    needs: str = ""  # a Python package the row imports (an optional extra)
 
     def command(self, output_dir: str) -> List[str]:
         return [*self.argv, "--output-dir", output_dir]
@@ -65,6 +72,8 @@ def skip_reason(config: BenchConfig) -> Optional[str]:
 
     if config.needs_cpu_bf16 and not cpu_has_bf16():
         return "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX); run it with --only " + config.key
+    if config.needs and importlib.util.find_spec(config.needs) is None:
+        return f"{config.needs} is not installed; pip install -e '.[bench]' installs the peers"
     return None
 
 
@@ -91,8 +100,14 @@ def baseline_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+# The rows that a user choosing a library compares, each under torchrun: whole runs, not only steady state.
+PEER_SCRIPTS = {"trainbridge_loop": "trainbridge_loop.py", "accelerate": "accelerate_loop.py", "fabric": "fabric_loop.py"}
+PEERS = ("ddp_tutorial", "accelerate", "fabric")  # what users would pick instead of trainbridge
+COMPARED = ("torch_gloo", "trainbridge_loop", *PEERS)  # also run with 3 ranks to count validation samples
+
+
 def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) -> List[BenchConfig]:
-    """Every configuration and baseline of issue 6 for ``workload``, with ``nproc`` processes where distributed."""
+    """Every configuration, baseline and peer for ``workload``, with ``nproc`` processes where distributed."""
     cores = cores or available_cores()
     steps, warmup = workload.steps(quick)
     python = sys.executable
@@ -100,7 +115,7 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
     horovodrun = [launcher_path("horovodrun"), "-np", str(nproc)]
     # Open MPI refuses more ranks than cores unless told; the other launchers do not care.
     hvd_gloo, hvd_mpi = [*horovodrun, "--gloo", python], [*horovodrun, "--mpi", "--mpi-args=--oversubscribe", python]
-    for name in ("ddp_tutorial.py", "horovod_tutorial.py", "bare_loop.py"):
+    for name in ("ddp_tutorial.py", "horovod_tutorial.py", "bare_loop.py", *PEER_SCRIPTS.values()):
         if not (BASELINES_DIR / name).exists():
             raise UserError(f"{BASELINES_DIR / name} is missing; trainbridge bench runs from a source checkout")
 
@@ -126,6 +141,14 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
         BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
+        BenchConfig("trainbridge_loop", f"trainbridge API, own loop {n}", "trainbridge", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["trainbridge_loop"], per_rank))),
+        # Without ACCELERATE_USE_CPU=1 Accelerate under torchrun on a CPU trains each rank alone.
+        BenchConfig("accelerate", f"Accelerate {n} (ACCELERATE_USE_CPU=1)", "peer", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["accelerate"], per_rank)),
+                    env=(("ACCELERATE_USE_CPU", "1"),), needs="accelerate"),
+        BenchConfig("fabric", f"Lightning Fabric {n}", "peer", f"torchrun {n}",
+                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["fabric"], per_rank)), needs="lightning"),
         # The same job with gradients through gloo instead of shared memory: what --shm-allreduce buys.
         BenchConfig("torch_gloo_no_shm", f"trainbridge torch/gloo {n} --shm-allreduce off", "trainbridge",
                     f"torchrun {n}", nproc, per_rank,

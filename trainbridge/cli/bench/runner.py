@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import psutil
 
-from .configs import REPO_ROOT, BenchConfig
+from .configs import COMPARED, REPO_ROOT, BenchConfig, build_matrix
+from .workloads import Workload
 from .measure import read_final
 
 # A benchmark run must not inherit the launcher of whoever started the bench.
@@ -60,6 +61,8 @@ class RunResult:
     wall_seconds: float
     foreign_cpu: Optional[float]  # share of all cores busy with other processes' work during the run
     samples_per_second: Optional[float] = None
+    first_step_seconds: Optional[float] = None  # launch to the end of rank 0's first optimizer step
+    val_samples: Optional[int] = None  # validation samples the run's own metric code counted
     step_time_median: Optional[float] = None
     step_time_p90: Optional[float] = None
     peak_rss_mb_per_rank: Optional[List[float]] = None
@@ -141,10 +144,11 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh folder: nothing to resume from, no stale metrics
     run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
-    busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
+    busy0, ours0, start, launched = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter(), time.time()
     with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.cores_used if config.pinned else 0):
         proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env=run_environment(config.threads), cwd=str(REPO_ROOT), start_new_session=True)
+                                env={**run_environment(config.threads), **dict(config.env)}, cwd=str(REPO_ROOT),
+                                start_new_session=True)
         try:
             code: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -167,8 +171,10 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
         result.status = "failed"
         result.error = f"exit {code}, {'no final metrics' if not final else 'no throughput'}; stderr tail:\n{tail(stderr)}"
         return result
-    for field in ("samples_per_second", "step_time_median", "step_time_p90", "peak_rss_mb_per_rank"):
+    for field in ("samples_per_second", "step_time_median", "step_time_p90", "peak_rss_mb_per_rank", "val_samples"):
         setattr(result, field, final.get(field))
+    if final.get("first_step_at"):
+        result.first_step_seconds = round(final["first_step_at"] - launched, 3)
     return result
 
 
@@ -224,6 +230,20 @@ def run_matrix(configs: List[BenchConfig], repeats: int, out_dir: Path, timeout:
     return results
 
 
+COUNT_RANKS = 3  # validation sets of 1,000 do not split evenly into 3 shards
+
+
+def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path, timeout: float,
+                             cores: int) -> Dict[str, RunResult]:
+    """Each compared row once more with 3 ranks and few steps: the validation samples its metric code counts.
+
+    A padded evaluation shard counts some samples twice; an exact one counts the set's size.
+    """
+    three = {c.key: c for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores)}
+    return {key: run_once(three[key], 0, out_dir / key / f"{COUNT_RANKS}-ranks", timeout)
+            for key in keys if key in COMPARED}
+
+
 def median_or_none(values: List[Optional[float]]) -> Optional[float]:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -245,6 +265,9 @@ def aggregate(config: BenchConfig, runs: List[RunResult], skipped: Optional[str]
         "samples_per_second_max": max(rates) if rates else None,
         "step_time_median": median_or_none([r.step_time_median for r in ok]),
         "step_time_p90": median_or_none([r.step_time_p90 for r in ok]),
+        "wall_seconds": median_or_none([r.wall_seconds for r in ok]),
+        "first_step_seconds": median_or_none([r.first_step_seconds for r in ok]),
+        "val_samples": median_or_none([r.val_samples for r in ok]),
         "peak_rss_mb_per_rank": [statistics.median(col) for col in zip(*rss)] if rss else None,
         "foreign_cpu_median": median_or_none([r.foreign_cpu for r in runs]),
         "runs": [dataclasses.asdict(r) for r in runs],

@@ -1,15 +1,21 @@
-"""The speed targets of issue 6, each a ratio of two configurations measured in the same run.
+"""The speed targets, each a ratio of two configurations measured in the same run.
 
-``ratio = samples/s of config / (samples/s of reference x scale)``, where scale is
-the config's process count for the scaling targets and 1 otherwise. Ratios use
-the medians over repeats; ``ratio_per_repeat`` pairs the two runs of each repeat
-(adjacent in time), which shows how much the machine's noise moves the ratio.
+``ratio = metric of config / (metric of reference x scale)``, where scale is the
+config's process count for the scaling targets and 1 otherwise. The metric is
+samples/s (higher is better; met at or above the threshold) or the end-to-end
+wall time from launch to exit (lower is better; met at or below). A reference
+given as several configurations is the best of them: the peer targets compare
+trainbridge with whichever of the DDP tutorial, Accelerate and Fabric did best.
+Ratios use the medians over repeats; ``ratio_per_repeat`` pairs the runs of each
+repeat (adjacent in time), which shows how much the machine's noise moves the ratio.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from .configs import PEERS
 
 UNIT = "local_1_thread"  # the per-core unit that scaling efficiency is measured against
 
@@ -19,9 +25,14 @@ class Target:
     id: str
     name: str
     config: str
-    reference: str
+    reference: Union[str, Tuple[str, ...]]  # several: the best of them
     threshold: Optional[float]  # None: a reference figure that explains the targets, not a target
     scale_by_nproc: bool = False
+    metric: str = "samples_per_second"  # or "wall_seconds"
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric == "wall_seconds"
 
 
 TARGETS = [
@@ -37,25 +48,41 @@ TARGETS = [
     Target("R1", "torch backend with --amp bf16 vs hand-written DDP (fp32)", "torch_gloo_bf16", "ddp_tutorial", None),
     Target("R2", "torch backend, shared-memory gradient exchange vs gloo (--shm-allreduce off)", "torch_gloo",
            "torch_gloo_no_shm", None),
+    Target("P1", "trainbridge train, end-to-end wall time vs the best peer", "torch_gloo", PEERS, 0.90,
+           metric="wall_seconds"),
+    Target("P2", "trainbridge train, steady-state samples/s vs the best peer", "torch_gloo", PEERS, 0.95),
+    Target("P3", "trainbridge API loop, end-to-end wall time vs the best peer", "trainbridge_loop", PEERS, 0.90,
+           metric="wall_seconds"),
+    Target("P4", "trainbridge API loop, steady-state samples/s vs the best peer", "trainbridge_loop", PEERS, 0.95),
 ]
 
 
-def rates_by_repeat(summary: Dict[str, Any]) -> Dict[int, float]:
-    return {r["repeat"]: r["samples_per_second"] for r in summary["runs"] if r["status"] == "ok"}
+def values_by_repeat(summary: Dict[str, Any], metric: str) -> Dict[int, float]:
+    return {r["repeat"]: r[metric] for r in summary["runs"] if r["status"] == "ok" and r[metric]}
+
+
+def best(values: List[float], lower_is_better: bool) -> float:
+    return min(values) if lower_is_better else max(values)
 
 
 def evaluate(target: Target, configs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """The target's measured ratio and whether it is met (None when either side has no figure)."""
-    mine, ref = configs.get(target.config), configs.get(target.reference)
+    names = (target.reference,) if isinstance(target.reference, str) else target.reference
+    mine, refs = configs.get(target.config), [configs[n] for n in names if configs.get(n, {}).get(target.metric)]
     row: Dict[str, Any] = {**dataclasses.asdict(target), "ratio": None, "met": None, "ratio_per_repeat": []}
-    if not mine or not ref or not mine["samples_per_second"] or not ref["samples_per_second"]:
+    if not mine or not refs or not mine[target.metric]:
         return row
+    ref = best([r[target.metric] for r in refs], target.lower_is_better)
+    row["best_reference"] = next(n for n in names if configs.get(n, {}).get(target.metric) == ref)
     scale = mine["nproc"] if target.scale_by_nproc else 1
     row["scale"] = scale
-    row["ratio"] = mine["samples_per_second"] / (ref["samples_per_second"] * scale)
-    row["met"] = None if target.threshold is None else row["ratio"] >= target.threshold
-    a, b = rates_by_repeat(mine), rates_by_repeat(ref)
-    row["ratio_per_repeat"] = [round(a[k] / (b[k] * scale), 4) for k in sorted(a) if k in b]
+    row["ratio"] = mine[target.metric] / (ref * scale)
+    if target.threshold is not None:
+        row["met"] = (row["ratio"] <= target.threshold) if target.lower_is_better else (row["ratio"] >= target.threshold)
+    a = values_by_repeat(mine, target.metric)
+    b = [values_by_repeat(r, target.metric) for r in refs]
+    row["ratio_per_repeat"] = [round(a[k] / (best([v[k] for v in b], target.lower_is_better) * scale), 4)
+                               for k in sorted(a) if all(k in v for v in b)]
     return row
 
 

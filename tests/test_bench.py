@@ -11,14 +11,14 @@ from conftest import PYTHON, check, run
 
 from trainbridge.training import step as train_step
 from trainbridge.cli.bench import cli as bench_cli
-from trainbridge.cli.bench.configs import BenchConfig, build_matrix, skip_reason
-from trainbridge.cli.bench.runner import run_once
+from trainbridge.cli.bench.configs import COMPARED, BenchConfig, build_matrix, skip_reason
+from trainbridge.cli.bench.runner import KEPT_SUFFIXES, run_once
 from trainbridge.cli.bench.targets import TARGETS, evaluate
 from trainbridge.cli.bench.workloads import WORKLOADS
 from trainbridge.training.step import cpu_has_bf16
 
-CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "torch_gloo_no_shm",
-           "torch_gloo_bf16",
+CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "trainbridge_loop",
+           "accelerate", "fabric", "torch_gloo_no_shm", "torch_gloo_bf16",
            "independent_bare_loops", "horovod_gloo", "horovod_tutorial_gloo", "horovod_mpi", "horovod_tutorial_mpi"]
 
 
@@ -44,21 +44,39 @@ def test_quick_bench_reports_every_configuration(tmp_path):
         assert config["scaling_efficiency"] > 0, key
         assert len(config["peak_rss_mb_per_rank"]) == config["nproc"], key
         assert all(mb > 0 for mb in config["peak_rss_mb_per_rank"]), key
+    assert_whole_runs(workload)
     assert [t["id"] for t in workload["targets"]] == [t.id for t in TARGETS]
     assert all(t["ratio"] > 0 for t in workload["targets"] if t["config"] in ran)
-    assert all(t["met"] in (True, False) for t in workload["targets"] if t["id"].startswith("T"))
+    assert all(t["met"] in (True, False) for t in workload["targets"] if t["id"].startswith(("T", "P")))
     assert all(t["met"] is None for t in workload["targets"] if t["id"].startswith("R"))
     table = (out / "bench.md").read_text()
     assert "| T4 trainbridge, 1 process vs bare loop |" in table
     assert "| R2 torch backend, shared-memory gradient exchange vs gloo" in table
     assert "| R3 ceiling for T3: N bare loops without communication" in table and "| reference |" in table
+    assert "| P1 trainbridge train, end-to-end wall time vs the best peer |" in table
+    assert "| Accelerate ×2 (ACCELERATE_USE_CPU=1) (`accelerate`) |" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The runs wrote checkpoints (trainbridge rows) and the bench removed them: logs and metrics stay.
-    assert list(out.rglob("metrics.jsonl")) and not list(out.rglob("*.pt"))
+    # The runs wrote checkpoints (every row, the peers in their own formats) and the bench removed them:
+    # logs, metrics and reports stay.
+    left = [p for p in (out / "runs").rglob("*") if p.is_file()]
+    assert [p for p in left if p.name == "metrics.jsonl"] and {p.suffix for p in left} <= set(KEPT_SUFFIXES), left
 
 
-DESIGNSAFE_CONFIGS = ["local_all_cores", "bare_loop", "torch_gloo", "ddp_tutorial", "horovod_gloo",
-                      "horovod_tutorial_gloo"]
+def assert_whole_runs(workload):
+    """The compared rows report whole runs, and the 3-rank runs count what each one's metric code counts."""
+    size = workload["val_set_size"]
+    padded = size + (-size % 3)  # a DistributedSampler pads the set to a multiple of the ranks
+    for key in COMPARED:
+        config = workload["configs"][key]
+        assert 0 < config["first_step_seconds"] < config["wall_seconds"], key
+        # trainbridge's unpadded shards and Accelerate's gather_for_metrics count each sample once; the
+        # DDP tutorial's all_reduce and Fabric's recommended all_reduce count the padding again.
+        expected = padded if key in ("ddp_tutorial", "fabric") else size
+        assert config["val_samples_3_ranks"] == expected, (key, config["val_samples_3_ranks"], expected)
+
+
+DESIGNSAFE_CONFIGS = ["local_all_cores", "bare_loop", "torch_gloo", "ddp_tutorial", "trainbridge_loop", "accelerate",
+                      "fabric", "horovod_gloo", "horovod_tutorial_gloo"]
 
 
 def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
@@ -71,6 +89,7 @@ def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
     assert list(workload["configs"]) == DESIGNSAFE_CONFIGS
     for key, config in workload["configs"].items():
         assert config["status"] == "ok" and config["samples_per_second"] > 0, (key, config["errors"])
+    assert_whole_runs(workload)
     t1 = next(t for t in workload["targets"] if t["id"] == "T1")
     assert t1["ratio"] > 0
 
@@ -94,6 +113,11 @@ def test_the_bf16_reference_row_is_skipped_with_its_reason_on_a_cpu_without_bf16
     assert "**torch_gloo_bf16 skipped**: this CPU has no bfloat16 instructions" in (out / "bench.md").read_text()
     monkeypatch.setattr(train_step, "cpu_has_bf16", lambda: True)
     assert skip_reason(next(c for c in matrix if c.key == "torch_gloo_bf16")) is None
+
+
+def test_a_peer_whose_library_is_missing_is_skipped_with_the_install_command():
+    config = BenchConfig("peer", "peer", "peer", "torchrun", 2, 1, ("python",), needs="no_such_library_here")
+    assert skip_reason(config) == "no_such_library_here is not installed; pip install -e '.[bench]' installs the peers"
 
 
 def python_config(key: str, code: str) -> BenchConfig:
@@ -151,3 +175,26 @@ def test_target_ratios_pair_runs_of_the_same_repeat():
     assert row["ratio"] == 3800 / 4000 and row["met"] is True
     assert row["ratio_per_repeat"] == [0.9, 1.0, 0.95]
     assert evaluate(scaling, {"torch_gloo": summary(2, [3000])})["met"] is None
+
+
+def whole_run(walls, rates):
+    return {"nproc": 2, "wall_seconds": sorted(walls)[1], "samples_per_second": sorted(rates)[1],
+            "runs": [{"repeat": i, "status": "ok", "wall_seconds": w, "samples_per_second": r}
+                     for i, (w, r) in enumerate(zip(walls, rates))]}
+
+
+def test_peer_targets_compare_with_the_best_peer_of_each_repeat():
+    configs = {"torch_gloo": whole_run([9, 10, 11], [100, 100, 100]),
+               "ddp_tutorial": whole_run([12, 12, 12], [90, 90, 90]),
+               "accelerate": whole_run([10, 14, 13], [80, 120, 80]),
+               "fabric": whole_run([15, 11, 20], [70, 70, 70])}
+    wall = evaluate(next(t for t in TARGETS if t.id == "P1"), configs)
+    # Lower is better: the best peer median is the DDP tutorial's 12 s; per repeat the fastest peer that repeat.
+    assert wall["best_reference"] == "ddp_tutorial" and wall["ratio"] == 10 / 12 and wall["met"] is True
+    assert wall["ratio_per_repeat"] == [0.9, round(10 / 11, 4), round(11 / 12, 4)]
+    rate = evaluate(next(t for t in TARGETS if t.id == "P2"), configs)
+    assert rate["best_reference"] == "ddp_tutorial" and rate["ratio"] == 100 / 90 and rate["met"] is True
+    assert rate["ratio_per_repeat"] == [round(100 / 90, 4), round(100 / 120, 4), round(100 / 90, 4)]
+    configs["torch_gloo"] = whole_run([11, 11, 11], [80, 80, 80])
+    assert evaluate(next(t for t in TARGETS if t.id == "P1"), configs)["met"] is False
+    assert evaluate(next(t for t in TARGETS if t.id == "P2"), configs)["met"] is False

@@ -54,9 +54,16 @@ class Task(abc.ABC):
             raise UserError(f"{', '.join(used)}: not used by --task {self.name}; these options are for "
                             f"transfer-learning tasks (designsafe)")
 
+    def fetch(self, cfg, note) -> None:
+        """Download what :meth:`prepare` needs and is missing (default: nothing).
+
+        Runs on the main rank first, then on the others, which find the files in
+        place: one download, never two ranks writing the same file.
+        """
+
     @abc.abstractmethod
     def prepare(self, cfg, note) -> str:
-        """Load or check the data (called on the main rank first, then the others); returns one line to log.
+        """Load or check the data on every rank at once, after :meth:`fetch`; returns one line to log.
 
         ``note(message)`` prints a one-line notice on the main rank.
         """

@@ -55,13 +55,17 @@ class DesignSafeTask(Task):
                             f"not --model {cfg.model}")
         check_layout(cfg.data_root)
 
+    def fetch(self, cfg, note) -> None:
+        if not cfg.no_pretrained and not cfg.pretrained_weights:
+            ensure_imagenet_weights()  # main rank first: one download per node
+
     def prepare(self, cfg, note) -> str:
         splits = check_layout(cfg.data_root, decode_images=False)  # images were decoded in validate_config
         pretrained = not cfg.no_pretrained
         if cfg.pretrained_weights:
             self.weights_path, weights = cfg.pretrained_weights, f"backbone from {cfg.pretrained_weights}"
         elif pretrained:
-            self.weights_path = ensure_imagenet_weights()  # main rank first: one download per node
+            self.weights_path = ensure_imagenet_weights()  # in place: fetch downloaded it
             weights = f"ImageNet backbone from {self.weights_path}"
         else:
             weights = "random initialisation (--no-pretrained)"

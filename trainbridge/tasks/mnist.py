@@ -49,8 +49,11 @@ class MnistTask(Task):
     def __init__(self) -> None:
         self.data: MnistData = None  # type: ignore[assignment]
 
-    def prepare(self, cfg, note) -> str:
+    def fetch(self, cfg, note) -> None:
+        # Loading MNIST downloads it when missing (or falls back to the sample): all of it, main rank first.
         self.data = load_mnist(cfg.dataset, cfg.resolved_data_root, note=note)
+
+    def prepare(self, cfg, note) -> str:
         if torch.cuda.is_available():  # the whole set on this rank's GPU: batches gathered without host copies
             self.data = MnistData(*(Split(s.images.cuda(), s.labels.cuda()) for s in self.data[:2]), self.data.source)
         return self.data.source

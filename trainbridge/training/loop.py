@@ -1,6 +1,6 @@
 """The loop of ``trainbridge train``, written once on the public API for every backend and task.
 
-Reads top to bottom: prepare the data (main rank first), build the model with
+Reads top to bottom: fetch missing data (main rank first), load it on every rank, build the model with
 the same seed on every rank, resume from a checkpoint when there is one, let the
 job prepare model and optimizer so that ``step()`` applies globally averaged
 gradients, then train, checkpoint and evaluate exactly.
@@ -131,7 +131,8 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                         f"--fail-at-step would do nothing; use --fail-rank 0..{job.world_size - 1}",
                         quiet=not job.is_main)
     with job.main_first():  # a download happens once, on the main rank
-        source = task.prepare(cfg, note=job.print)
+        task.fetch(cfg, note=job.print)
+    source = task.prepare(cfg, note=job.print)  # every rank at once: loading is not serialised
     job.print(f"[trainbridge] {source}; backend={job.backend.name} world_size={job.world_size} "
               f"launcher={job.launcher} device={job.device}")
 

@@ -53,6 +53,9 @@ def run_environment(threads: int) -> Dict[str, str]:
     return env
 
 
+KEPT_SUFFIXES = (".log", ".jsonl", ".json", ".png")  # what a run leaves that the bench keeps
+
+
 @dataclasses.dataclass
 class RunResult:
     key: str
@@ -159,10 +162,13 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     foreign_share = max(0.0, foreign / (wall * (psutil.cpu_count() or 1))) if wall > 0 else None
     result = RunResult(config.key, repeat, "ok", round(wall, 2), foreign_share and round(foreign_share, 3),
                        log_dir=str(run_dir), exit_code=code)
-    # The bench keeps logs and metrics, not weights: a DesignSafe ResNet34 run
-    # leaves about 800 MB of checkpoints (last, previous, best, final).
-    for weights in run_dir.rglob("*.pt"):
-        weights.unlink(missing_ok=True)
+    # The bench keeps logs, metrics and reports, not weights: a DesignSafe ResNet34 run
+    # leaves about 800 MB of checkpoints (last, previous, best, final; the peers' in their formats).
+    for path in sorted(run_dir.rglob("*"), reverse=True):  # files before the folders that hold them
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        elif path.is_file() and path.suffix not in KEPT_SUFFIXES:
+            path.unlink(missing_ok=True)
     if code is None:
         result.status, result.error = "timeout", f"killed after {timeout:.0f}s; stderr tail:\n{tail(stderr)}"
         return result

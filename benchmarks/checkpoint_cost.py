@@ -1,6 +1,7 @@
 """Training time lost per checkpoint: synchronous vs background ``job.save``, one process.
 
     python benchmarks/checkpoint_cost.py --model resnet34 --steps 40 --every 5 --repeats 3
+    python benchmarks/checkpoint_cost.py --model resnet34 --steps 40 --every 5 --repeats 3 --threads 1  # a core free
 
 Trains ``--steps`` steps three ways, interleaved per repeat: no checkpoint, a
 synchronous save every ``--every`` steps, a background save every ``--every``
@@ -53,8 +54,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: every core)")
     args = p.parse_args()
-    job = tb.init()
+    job = tb.init(threads=args.threads)
     saves = args.steps // args.every
     lost = {"sync": [], "background": []}
     with tempfile.TemporaryDirectory() as out:

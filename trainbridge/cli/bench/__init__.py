@@ -10,7 +10,7 @@ Where each concern lives:
   (step timer, peak RSS, the ``final`` line of ``metrics.jsonl``).
 * :mod:`.runner`    -- starts each configuration under its real launcher, with a
   timeout, repeats interleaved; aggregates medians.
-* :mod:`.targets`   -- the speed targets of issue 6, as ratios inside one run.
+* :mod:`.targets`   -- the speed targets, as ratios inside one run.
 * :mod:`.report`    -- ``bench.json``, ``bench.md`` and ``bench.png``.
 * :mod:`.cli`       -- the ``trainbridge bench`` command.
 

@@ -12,7 +12,7 @@ from conftest import PYTHON, check, run
 from trainbridge.training import step as train_step
 from trainbridge.cli.bench import cli as bench_cli
 from trainbridge.cli.bench.configs import COMPARED, BenchConfig, build_matrix, skip_reason
-from trainbridge.cli.bench.runner import KEPT_SUFFIXES, run_once
+from trainbridge.cli.bench.runner import CHECKPOINT_SUFFIXES, run_once
 from trainbridge.cli.bench.targets import TARGETS, evaluate
 from trainbridge.cli.bench.workloads import WORKLOADS
 from trainbridge.training.step import cpu_has_bf16
@@ -59,7 +59,8 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     # The runs wrote checkpoints (every row, the peers in their own formats) and the bench removed them:
     # logs, metrics and reports stay.
     left = [p for p in (out / "runs").rglob("*") if p.is_file()]
-    assert [p for p in left if p.name == "metrics.jsonl"] and {p.suffix for p in left} <= set(KEPT_SUFFIXES), left
+    assert [p for p in left if p.name == "metrics.jsonl"], left
+    assert not [p for p in left if p.suffix in CHECKPOINT_SUFFIXES], left
 
 
 def assert_whole_runs(workload):

@@ -53,7 +53,8 @@ def run_environment(threads: int) -> Dict[str, str]:
     return env
 
 
-KEPT_SUFFIXES = (".log", ".jsonl", ".json", ".png")  # what a run leaves that the bench keeps
+# Checkpoint files of every row: torch.save (trainbridge, DDP), Fabric, Accelerate's save_state.
+CHECKPOINT_SUFFIXES = (".pt", ".ckpt", ".safetensors", ".bin", ".pkl")
 
 
 @dataclasses.dataclass
@@ -167,7 +168,7 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     for path in sorted(run_dir.rglob("*"), reverse=True):  # files before the folders that hold them
         if path.is_dir() and not any(path.iterdir()):
             path.rmdir()
-        elif path.is_file() and path.suffix not in KEPT_SUFFIXES:
+        elif path.is_file() and path.suffix in CHECKPOINT_SUFFIXES:
             path.unlink(missing_ok=True)
     if code is None:
         result.status, result.error = "timeout", f"killed after {timeout:.0f}s; stderr tail:\n{tail(stderr)}"

@@ -199,12 +199,18 @@ class Job:
         to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
         return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                           seed=seed, **dataloader_options)
+                           seed=seed, before_fork=self._before_fork, **dataloader_options)
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
         return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                          **dataloader_options)
+                          before_fork=self._before_fork, **dataloader_options)
+
+    def _before_fork(self) -> None:
+        # A process forked while the checkpoint writer thread runs can inherit a lock that
+        # thread held and wait on it for ever (seen: a DataLoader worker blocked in a futex
+        # right after fork, keeping the job's output open). So loaders fork only between writes.
+        self._writer.wait()
 
     # ----- collectives ----------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

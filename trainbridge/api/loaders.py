@@ -14,7 +14,7 @@ are exact.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -65,7 +65,8 @@ class TrainLoader:
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 seed: int = 0, **dataloader_options: Any) -> None:
+                 seed: int = 0, before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
+        self.before_fork = before_fork
         size = _check_dataset(dataset, "train_loader")
         if batch_size < 1:
             raise UserError(f"train_loader: batch_size must be at least 1 (got {batch_size})")
@@ -94,6 +95,8 @@ class TrainLoader:
         self.sampler.set_epoch(epoch, self.position)
         if self._loader is None:  # built once: persistent workers survive across epochs
             self._loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler, **self.options)
+        if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
+            self.before_fork()  # the workers are forked now
         for batch in self._loader:
             # Counted before the batch is handed out: a checkpoint written after the
             # loop body has used it resumes at the next one.
@@ -132,7 +135,8 @@ class EvalLoader:
     """Batches of this rank's unpadded evaluation shard (indices rank, rank + world_size, ...), on ``device``."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 **dataloader_options: Any) -> None:
+                 before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
+        self.before_fork = before_fork
         size = _check_dataset(dataset, "eval_loader")
         if batch_size < 1:
             raise UserError(f"eval_loader: batch_size must be at least 1 (got {batch_size})")
@@ -147,4 +151,6 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.loader.num_workers:
+            self.before_fork()  # every pass forks its workers
         return (to_device(batch, self.device) for batch in self.loader)

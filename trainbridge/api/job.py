@@ -30,12 +30,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from ..backends import Backend, GradientExchange, create_backend
 from ..errors import UserError
+from ..random_state import rng_state, seed_everything, set_rng_state
 from ..launch import LaunchEnv, detect_launch, report_error
 from ..launch.rendezvous import finalize_mpi
 from ..launch.environment import available_cores
@@ -102,6 +103,7 @@ class Job:
         self.watchdog = watchdog or Watchdog(backend.timeout, backend.rank)
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
         self._writer = BackgroundWriter()
+        self._prepared: List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]] = []
 
     # ----- where this process is ------------------------------------------------
     @property
@@ -130,6 +132,11 @@ class Job:
         return self.backend.is_main
 
     @property
+    def backend_name(self) -> str:
+        """The collective library averaging gradients: torch (DDP), horovod or local (one process)."""
+        return self.backend.name
+
+    @property
     def launcher(self) -> str:
         """What started this process: torchrun, spawn (``tb.spawn``), horovodrun, mpirun, srun, env or python."""
         return self.backend.env.launcher
@@ -139,29 +146,44 @@ class Job:
         self.backend.print(*args, **kwargs)
 
     # ----- model and optimizer --------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, amp: str = "off",
-                accumulate: int = 1, compression: str = "none", shm_allreduce: str = "auto"):
-        """``(model, optimizer)`` on this rank's device, wrapped so that ``step`` applies averaged gradients.
+    def prepare(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                amp: str = "off", compression: str = "none", shm_allreduce: str = "auto",
+                find_unused_parameters: bool = False):
+        """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks.
 
-        Every rank leaves with rank 0's weights. Build a scheduler after this call
-        (schedulers patch ``optimizer.step``). The options are fixed here, for the
-        whole run: ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler, used by
-        :meth:`backward` and :meth:`step`). ``accumulate``: backward passes per
-        optimizer step, the early ones inside :meth:`no_sync` (Horovod counts them
-        itself). ``compression``: none, fp16 or bf16, the dtype gradients are
-        averaged in. ``shm_allreduce``: auto, on or off: ranks on one CPU host
-        average through shared memory instead of gloo (torch backend).
+        Every rank leaves with rank 0's weights. After each backward pass that
+        reaches the model (outside :meth:`no_sync`), its gradients are the average
+        over the ranks on every backend, so clipping or inspecting them before
+        :meth:`step` sees what the step applies. Call it once per model (a GAN's
+        generator and discriminator each with its optimizer); the returned model
+        keeps the module's attributes, methods and state_dict keys. Build a
+        scheduler after this call (schedulers patch ``optimizer.step``).
+
+        ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler, used by :meth:`backward`,
+        :meth:`clip_grad_norm_` and :meth:`step`), the same for every model.
+        ``compression``: none, fp16 or bf16, the dtype gradients are averaged in.
+        ``shm_allreduce``: auto, on or off: ranks on one CPU host average through
+        shared memory instead of gloo (torch backend). ``find_unused_parameters``:
+        allow backward passes that reach only some of the model's parameters (a
+        branch some ranks take); those no rank used keep their gradient.
         """
-        exchange = GradientExchange(accumulate=accumulate, compression=compression, shm_allreduce=shm_allreduce)
+        exchange = GradientExchange(compression=compression, shm_allreduce=shm_allreduce,
+                                    find_unused_parameters=find_unused_parameters)
         check_freezing_spelled_right(model)
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
         if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UserError("amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 here")
+        if self._prepared and amp != self.amp:
+            raise UserError(f"job.prepare: amp {amp!r} differs from the {self.amp!r} of the model prepared before; "
+                            f"one job trains in one precision, so pass amp={self.amp!r} to every prepare")
         self.amp = amp
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-        self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        return self.backend.wrap(model.to(self.device), optimizer, exchange)
+        if amp == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        model, optimizer = self.backend.wrap(model.to(self.device), optimizer, exchange)
+        self._prepared.append((model, optimizer))
+        return model, optimizer
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module, without the DDP wrapper (state_dict keys without "module.")."""
@@ -174,21 +196,52 @@ class Job:
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])
 
     def no_sync(self, model: torch.nn.Module, enabled: bool = True):
-        """Backward passes in this block only accumulate gradients locally (gradient accumulation).
+        """Forward and backward passes in this block only accumulate gradients locally (gradient accumulation).
 
-        The first ``accumulate - 1`` micro-batches of a step go here; the last
-        backward, outside, averages the sum over ranks: one allreduce per step.
+        The first K-1 micro-batches of a step go here, forward and backward; the
+        last one, outside, averages the sum over ranks: one allreduce per step.
         """
         return self.backend.no_sync(model) if enabled else contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled first when amp is fp16."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, **backward_options: Any) -> None:
+        """``loss.backward()``, scaled first when amp is fp16; prepared models' gradients are averaged on return.
+
+        ``backward_options`` go to ``Tensor.backward`` (``retain_graph=True``, ...).
+        """
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**backward_options)
+
+    def clip_grad_norm_(self, model_or_parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (averaged) gradients to ``max_norm``; the total norm before clipping, the same on every rank.
+
+        ``torch.nn.utils.clip_grad_norm_`` after :meth:`backward`, with fp16 amp's
+        loss scale taken out first (``GradScaler.unscale_`` of the optimizers
+        that hold these parameters).
+        """
+        params = list(model_or_parameters.parameters() if isinstance(model_or_parameters, torch.nn.Module)
+                      else model_or_parameters)
+        if self.scaler is not None:
+            ids = {id(p) for p in params}
+            for _, optimizer in self._prepared:
+                if optimizer is not None and any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+                    self.scaler.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the averaged gradients (skipping the step on inf/NaN with fp16), and tell the watchdog."""
+        """``optimizer.step()`` (with fp16 amp: unscaled, skipped on inf/NaN), and tell the watchdog."""
         self.backend.step(optimizer, self.scaler)
         self.watchdog.beat()
+
+    def set_seed(self, seed: int, per_rank: bool = True) -> None:
+        """Seed torch (CPU and CUDA), Python's ``random`` and numpy from ``seed``: ``seed + rank`` when ``per_rank``.
+
+        Per rank, dropout masks and noise differ between ranks, as they must (the
+        ranks train different samples). ``per_rank=False`` gives every rank the same
+        streams, e.g. to build the same data on every rank. :meth:`save` carries
+        these streams and :meth:`load` puts them back, so a resumed run draws the
+        same numbers. Initial weights need no care: :meth:`prepare` gives every
+        rank rank 0's.
+        """
+        seed_everything(seed + (self.rank if per_rank else 0))
 
     # ----- data -----------------------------------------------------------------
     def train_loader(self, dataset, batch_size: int, seed: int = 0, **dataloader_options: Any) -> TrainLoader:
@@ -306,7 +359,7 @@ class Job:
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
         rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
-        state[RNG_KEY] = {"torch": rngs, "world_size": self.world_size}
+        state[RNG_KEY] = {"world_size": self.world_size, **{kind: [r[kind] for r in rngs] for kind in rngs[0]}}
         paths = [path, *copies]
         if self.is_main and background:
             self._writer.submit(state, paths, keep_previous=keep_previous)
@@ -329,35 +382,40 @@ class Job:
         return value.state_dict() if hasattr(value, "state_dict") else value
 
     def load(self, path: str, into: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """Read ``path`` on every rank (``torch.load(weights_only=True)``).
+        """Read ``path`` on every rank (``torch.load(weights_only=True)``); with ``into``, :meth:`restore` it.
 
-        Without ``into``: the saved dict. With ``into`` (the dict given to
-        :meth:`save`): objects are restored in place with ``load_state_dict``,
-        plain values replaced, this rank's RNG state restored; returns ``into``.
+        Without ``into``: the saved dict.
         """
         self.wait_for_saves()  # a background write of this file may be in flight
         state = read_file(path, self.device)
-        if into is None:
-            return state
+        return state if into is None else self.restore(state, into, path)
+
+    def restore(self, saved: Mapping[str, Any], into: Dict[str, Any], source: str = "the checkpoint") -> Dict[str, Any]:
+        """Put what :meth:`save` wrote (``saved``, already read) back into ``into``, the dict given to :meth:`save`.
+
+        Objects are restored in place with ``load_state_dict``, plain values
+        replaced, the fp16 loss scale and this rank's random streams (torch, CUDA,
+        Python, numpy) put back; returns ``into``.
+        """
         for key, value in into.items():
-            if key not in state:
-                raise UserError(f"{path} has no {key!r}; it holds {', '.join(k for k in state if k != RNG_KEY)}; "
+            if key not in saved:
+                raise UserError(f"{source} has no {key!r}; it holds {', '.join(k for k in saved if k != RNG_KEY)}; "
                                 f"load it into the same keys it was saved with")
             if isinstance(value, torch.nn.Module):
-                self.unwrap(value).load_state_dict(state[key])
+                self.unwrap(value).load_state_dict(saved[key])
             elif hasattr(value, "load_state_dict"):
-                value.load_state_dict(state[key])
+                value.load_state_dict(saved[key])
             else:
-                into[key] = state[key]
-        if self.scaler is not None and state.get("scaler") and "scaler" not in into:
-            self.scaler.load_state_dict(state["scaler"])
-        rng = state.get(RNG_KEY)
+                into[key] = saved[key]
+        if self.scaler is not None and saved.get("scaler") and "scaler" not in into:
+            self.scaler.load_state_dict(saved["scaler"])
+        rng = saved.get(RNG_KEY)
         if rng and len(rng["torch"]) == self.world_size:
-            set_rng_state(rng["torch"][self.rank])
+            set_rng_state({kind: rng[kind][self.rank] for kind in rng if kind != "world_size"})
         elif rng:
-            self.print(f"[trainbridge] {path} was written by {len(rng['torch'])} ranks, this job has "
-                       f"{self.world_size}: the RNG streams start afresh (seeded per rank)")
-            torch.manual_seed(torch.initial_seed() + self.rank)
+            self.print(f"[trainbridge] {source} was written by {len(rng['torch'])} ranks, this job has "
+                       f"{self.world_size}: the random streams start afresh (seeded per rank)")
+            seed_everything(torch.initial_seed() + self.rank)
         return into
 
     # ----- the end --------------------------------------------------------------
@@ -419,21 +477,6 @@ def check_freezing_spelled_right(model: torch.nn.Module) -> None:
                 raise UserError(f"{what} has an attribute require_grad, which PyTorch ignores, so it is still "
                                 f"trained; to freeze it set requires_grad = False (with an s), or "
                                 f"module.requires_grad_(False)")
-
-
-def rng_state() -> torch.Tensor:
-    """This rank's RNG state (dropout masks, augmentation): CPU generator, plus CUDA's when present."""
-    state = torch.get_rng_state()
-    if torch.cuda.is_available():
-        state = torch.cat([state, torch.cuda.get_rng_state()])
-    return state
-
-
-def set_rng_state(state: torch.Tensor) -> None:
-    cpu = torch.get_rng_state()
-    torch.set_rng_state(state[:len(cpu)].cpu())
-    if torch.cuda.is_available() and len(state) > len(cpu):
-        torch.cuda.set_rng_state(state[len(cpu):].cpu())
 
 
 # ----- one line instead of a traceback ----------------------------------------

@@ -1,11 +1,12 @@
 """Data loaders of the public API: a resumable training shard and an exact evaluation shard.
 
-Training: every rank draws one permutation of the dataset from ``seed + epoch``
-and rank r takes every world_size-th index of it
-(:class:`~trainbridge.data.sampler.ResumableDistributedSampler`). Step k of the
-job therefore covers one contiguous slice of the permutation, whatever the world
-size: 2 ranks with batch B see the same samples per step as 1 rank with batch 2B,
-and a loop ends with the same weights under every launcher.
+Training: every rank draws one permutation of the dataset from ``seed + epoch``;
+step k covers one slice of it, of one global batch, and rank r takes every
+world_size-th sample of the slice (:mod:`trainbridge.data.sampler`). So 2 ranks
+with batch B see the same samples per step as 1 rank with batch 2B, and a loop
+ends with the same weights under every launcher, at any dataset size. Each batch
+is loaded under its own seed (:mod:`trainbridge.data.seeded`), so random
+augmentation resumes bitwise too.
 
 Evaluation: strided and unpadded. ``DistributedSampler`` pads the last shard
 with repeats, which counts some samples twice; here shards differ in length by
@@ -14,12 +15,13 @@ are exact.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..data.sampler import ResumableDistributedSampler
+from ..data.sampler import TrainBatches, mix_seed, steps_in_pass
+from ..data.seeded import SeededDataset
 from ..errors import UserError
 
 
@@ -47,6 +49,31 @@ def _loader_options(dataset: Dataset, device: torch.device, options: Dict[str, A
     return options
 
 
+TRAIN_REFUSALS = {
+    "shuffle": "the train loader shuffles itself, every pass from seed + epoch; pass seed= to change the order",
+    "sampler": "the train loader picks this rank's samples itself (the same steps on every world size); "
+               "give it the dataset (a Subset for part of it)",
+    "batch_sampler": "the train loader forms the batches itself; pass batch_size=",
+    "generator": "the train loader owns its random streams; pass seed=",
+    "drop_last=False": "the train loader trains whole global batches only, so that every world size trains the "
+                       "same samples per step; leave drop_last out",
+}
+EVAL_REFUSALS = {
+    "shuffle": "the eval loader's order does not change a summed metric; leave shuffle out",
+    "sampler": "the eval loader shards the dataset itself (each sample on one rank); give it the dataset",
+    "batch_sampler": "the eval loader forms the batches itself; pass batch_size=",
+    "drop_last=True": "dropping a last batch would leave samples unscored; leave drop_last out",
+}
+
+
+def _refuse(options: Dict[str, Any], refusals: Dict[str, str], what: str) -> None:
+    """One line for a DataLoader option that cannot apply to this loader, when it is built."""
+    for key, why in refusals.items():
+        name, _, value = key.partition("=")
+        if name in options and (not value or str(bool(options[name])) == value):
+            raise UserError(f"{what}: {name}={options[name]!r} cannot apply: {why}")
+
+
 def _check_dataset(dataset: Any, what: str) -> int:
     try:
         return len(dataset)
@@ -58,25 +85,44 @@ def _check_dataset(dataset: Any, what: str) -> int:
 class TrainLoader:
     """This rank's batches of ``dataset``, reshuffled on every pass, on the job's device.
 
-    Each ``for batch in loader`` is one epoch; the next pass draws the next
-    epoch's order (no ``set_epoch`` to forget). ``state_dict()`` holds the epoch
+    It behaves like a DataLoader over an epoch: ``len(loader)`` is the number of
+    batches of a pass (fixed while it runs), and every ``iter()`` is a new pass
+    with the next epoch's order (no ``set_epoch`` to forget). A ``break`` ends the
+    pass; the next ``for`` starts the next epoch. ``state_dict()`` holds the epoch
     and the samples of it already handed out, so a loader restored from a
-    checkpoint continues at the next unseen batch: bitwise the same run.
+    checkpoint continues, in its first pass, at the next unseen batch: bitwise the
+    same run.
+
+    Only whole global batches are trained (see :mod:`trainbridge.data.sampler`):
+    ``dataset_size mod global_batch_size`` samples wait for a later epoch, on every
+    world size, so every world size trains the same samples per step.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
                  seed: int = 0, before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
         size = _check_dataset(dataset, "train_loader")
+        _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
+        dataloader_options.pop("drop_last", None)  # True is what happens anyway
         if batch_size < 1:
             raise UserError(f"train_loader: batch_size must be at least 1 (got {batch_size})")
         if size == 0:
             raise UserError("train_loader: the dataset is empty; check where it reads its files from")
+        if size < batch_size * world_size:
+            raise UserError(f"train_loader: the dataset has {size} samples, fewer than one global batch of "
+                            f"{batch_size * world_size} ({batch_size} per rank x {world_size} ranks), so no step "
+                            f"would train; lower batch_size to at most {size // world_size}")
         self.dataset, self.batch_size, self.device, self.seed = dataset, batch_size, device, seed
-        self.world_size = world_size
-        self.sampler = ResumableDistributedSampler(size, num_replicas=world_size, rank=rank, seed=seed)
+        self.world_size, self.rank = world_size, rank
+        self.batches = TrainBatches(size, batch_size, rank, world_size, seed)
         self.options = _loader_options(dataset, device, dict(dataloader_options))
-        self.epoch, self.position = 0, 0
+        # The loader owns its random streams: the DataLoader's base seed for its
+        # workers comes from this generator, not from the global one that dropout
+        # draws from (iter() would otherwise draw once more in a resumed run).
+        self._generator = torch.Generator()
+        self._epoch, self._position = 0, 0  # the open pass, or where the next one starts
+        self._open: Optional[object] = None  # the open pass's token
+        self._steps = 0
         self._loader: Optional[DataLoader] = None
 
     @property
@@ -84,41 +130,71 @@ class TrainLoader:
         """Samples per step over all ranks: ``batch_size * world_size``."""
         return self.batch_size * self.world_size
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next pass when none is (0-based)."""
+        return self._epoch if self._open is not None else self._next_pass()[0]
+
+    @property
+    def position(self) -> int:
+        """Samples of that epoch's order already handed out, over all ranks."""
+        return self._position if self._open is not None else self._next_pass()[1]
+
     def __len__(self) -> int:
-        """Batches left in the current pass on this rank."""
-        remaining = self.sampler.total_size - self.position
-        return -(-remaining // self.global_batch_size)
+        """Batches in the pass in progress (or the next one): a whole epoch, or after a resume its rest."""
+        if self._open is not None:
+            return self._steps
+        return steps_in_pass(len(self.dataset), self.global_batch_size, self._next_pass()[1])
+
+    def _next_pass(self) -> Tuple[int, int]:
+        if steps_in_pass(len(self.dataset), self.global_batch_size, self._position) == 0:
+            return self._epoch + 1, 0  # the epoch is trained to its end
+        return self._epoch, self._position
 
     def __iter__(self) -> Iterator[Any]:
-        self._roll_over()
-        epoch = self.epoch
-        self.sampler.set_epoch(epoch, self.position)
+        if self._open is not None:  # a pass left unfinished (a break, next(iter(...))) ends here
+            self._end_pass()
+        self._epoch, self._position = self._next_pass()
+        self._open = token = object()
+        self.batches.set_pass(self._epoch, self._position)
+        self._steps = len(self.batches)
+        self._generator.manual_seed(mix_seed(self.seed, self._epoch, self.rank))
         if self._loader is None:  # built once: persistent workers survive across epochs
-            self._loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler, **self.options)
-        if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
+            self._loader = DataLoader(SeededDataset(self.dataset), batch_sampler=self.batches,
+                                      generator=self._generator, **self.options)
+        if self._loader.num_workers and (not self._loader.persistent_workers
+                                         or getattr(self._loader, "_iterator", None) is None):
             self.before_fork()  # the workers are forked now
-        for batch in self._loader:
-            # Counted before the batch is handed out: a checkpoint written after the
-            # loop body has used it resumes at the next one.
-            self.position = min(self.position + self.global_batch_size, self.sampler.total_size)
-            yield to_device(batch, self.device)
-        if self.epoch == epoch:  # the pass is complete (unless state_dict() already rolled it over);
-            self.epoch, self.position = epoch + 1, 0  # drop_last may have left a remainder
+        return self._pass(token, iter(self._loader))
 
-    def _roll_over(self) -> None:
-        if self.position >= self.sampler.total_size:
-            self.epoch, self.position = self.epoch + 1, 0
+    def _pass(self, token: object, batches: Iterator[Any]) -> Iterator[Any]:
+        try:
+            for _ in range(self._steps):
+                if self._open is not token:  # a newer pass (or load_state_dict) replaced this one
+                    return
+                batch = next(batches)
+                # Counted before the batch is handed out: a checkpoint written after the
+                # loop body has used it resumes at the next one.
+                self._position += self.global_batch_size
+                yield to_device(batch, self.device)
+        finally:
+            if self._open is token:  # exhausted, or closed by a break
+                self._end_pass()
+
+    def _end_pass(self) -> None:
+        self._epoch, self._position, self._open = self._epoch + 1, 0, None
 
     def state_dict(self) -> Dict[str, int]:
         """The loader's position: epoch, samples of it already handed out, seed, dataset size, global batch."""
-        self._roll_over()
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+        epoch, position = self._next_pass()
+        return {"epoch": epoch, "position": position, "seed": self.seed,
                 "dataset_size": len(self.dataset), "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue from a :meth:`state_dict`; the dataset size and the seed must be the checkpoint's.
+        """Continue from a :meth:`state_dict`: the next pass starts there. Dataset size and seed must match.
 
-        Another world size is accepted: the rest of the epoch is re-dealt among the new ranks.
+        Another world size is accepted: with the same global batch, the same steps
+        follow, dealt among the new ranks.
         """
         if state["dataset_size"] != len(self.dataset):
             raise UserError(f"the checkpoint's train loader had {state['dataset_size']} samples, this one has "
@@ -126,9 +202,7 @@ class TrainLoader:
         if state["seed"] != self.seed:
             raise UserError(f"the checkpoint's train loader was seeded with {state['seed']}, this one with "
                             f"{self.seed}; pass seed={state['seed']} to resume the same order")
-        # Another world size re-deals the rest of the epoch among the new ranks:
-        # every sample is still seen once, the batches' composition changes.
-        self.epoch, self.position = state["epoch"], state["position"]
+        self._epoch, self._position, self._open = state["epoch"], state["position"], None
 
 
 class EvalLoader:
@@ -138,6 +212,8 @@ class EvalLoader:
                  before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
         size = _check_dataset(dataset, "eval_loader")
+        _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
+        dataloader_options.pop("drop_last", None)
         if batch_size < 1:
             raise UserError(f"eval_loader: batch_size must be at least 1 (got {batch_size})")
         self.device = device

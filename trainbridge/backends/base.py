@@ -28,23 +28,22 @@ SHM_MODES = ("auto", "on", "off")
 class GradientExchange:
     """How gradients are averaged; checked once, where it is built (``Job.prepare``).
 
-    ``accumulate``: backward passes per optimizer step (the early ones inside :meth:`Backend.no_sync`).
     ``compression``: the dtype gradients are averaged in (none, fp16, bf16).
     ``shm_allreduce``: auto, on or off: average through shared memory when every
     rank is on this CPU host, where the backend can.
+    ``find_unused_parameters``: a backward pass may reach only some of the model's
+    parameters (a branch taken on some ranks, a head used every other step).
     """
 
-    accumulate: int = 1
     compression: str = "none"
     shm_allreduce: str = "auto"
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise UserError(f"compression {self.compression!r} is not supported; use one of {', '.join(COMPRESSIONS)}")
         if self.shm_allreduce not in SHM_MODES:
             raise UserError(f"shm_allreduce {self.shm_allreduce!r} is not supported; use auto, on or off")
-        if self.accumulate < 1:
-            raise UserError(f"accumulate must be at least 1 (got {self.accumulate})")
 
 
 T = TypeVar("T")
@@ -112,9 +111,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Make ``optimizer.step()`` apply gradients averaged over all ranks, as ``exchange`` says.
+        """Average ``model``'s gradients over all ranks by the end of each backward pass, as ``exchange`` says.
 
-        Every rank leaves with identical parameters and optimizer state.
+        Every rank leaves with identical parameters and optimizer state. The
+        returned model has the user's attributes, methods and state_dict keys.
         """
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:

@@ -1,7 +1,9 @@
 """Horovod (its Gloo or MPI controller), started by horovodrun or mpirun.
 
-Gradients are averaged by ``hvd.DistributedOptimizer``, whose hooks start an
-allreduce per gradient during backward; ``step()`` waits for them.
+Gradients are averaged by Horovod's allreduce, started by a hook per gradient
+during backward and finished by the end of the backward pass (DDP's contract,
+:mod:`trainbridge.backends.grad_hooks`), so clipping between ``backward`` and
+``step`` sees averaged gradients.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from ..errors import UserError, first_line
 from .base import REDUCE_OPS, Backend, GradientExchange
+from .grad_hooks import HookedAverage
 
 T = TypeVar("T")
 
@@ -76,6 +79,7 @@ class HorovodBackend(Backend):
         # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change
         # on the fly, so it is not checked against the launcher's initial count.
         self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._averages: Dict[torch.nn.Module, HookedAverage] = {}
         for key, value in horovod_defaults(self.device.type, self.timeout, self.elastic).items():
             os.environ.setdefault(key, value)  # what the user (or horovodrun's flags) set wins
         self.hvd = import_horovod()
@@ -109,16 +113,24 @@ class HorovodBackend(Backend):
              exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
-            raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
+            raise UserError("shm_allreduce on needs the torch backend; with Horovod, use its MPI controller "
                             "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
                             quiet=not self.is_main)
-        # Horovod: average gradients across ranks; hooks overlap with backward.
-        # backward_passes_per_step: the hooks count K backward passes before the
-        # allreduce (--accumulate); step() reduces whatever a short last batch left.
-        # Compression casts each gradient to fp16/bf16 for the allreduce and back.
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
-                                             backward_passes_per_step=exchange.accumulate,
-                                             compression=self._compression(exchange.compression))
+        compression = self._compression(exchange.compression)
+        if self.world_size > 1 or self.elastic:
+            # Horovod: average each gradient as soon as backward produces it (fused with the
+            # others of the same cycle), in the dtype of the compression; the end of the
+            # backward pass waits for all of them, as DDP does (see grad_hooks).
+            def start_average(tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+                compressed, ctx = compression.compress(tensor)
+                handle = hvd.allreduce_async_(compressed, name=name, op=hvd.Average)
+                return lambda: compression.decompress(hvd.synchronize(handle), ctx)
+
+            prefix = f"trainbridge.grad{len(self._averages)}"
+            average = HookedAverage(model, prefix, start_average,
+                                    lambda used: hvd.allreduce(used, op=hvd.Max, name=f"{prefix}.used"),
+                                    exchange.find_unused_parameters)
+            self._averages[model] = average
         if self.elastic:
             # No collectives outside hvd.elastic.run: a worker that joins later would
             # meet the others in the wrong operation. The elastic state sync sends
@@ -126,33 +138,21 @@ class HorovodBackend(Backend):
             return model, optimizer
         # Horovod: start every rank from rank 0's weights (and buffers).
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        # Horovod: make optimizer state (e.g. after a resume) identical on all
-        # ranks. A fresh optimizer is skipped on purpose: Horovod initialises empty
-        # state with a zero-gradient step(), which advances Adam's step count and
-        # applies weight decay, so runs would drift from DDP and from one process.
-        if optimizer.state_dict()["state"]:
+        # Horovod: make optimizer state (e.g. after a resume) identical on all ranks.
+        if optimizer is not None and optimizer.state_dict()["state"]:
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         return model, optimizer
 
+    def no_sync(self, model: torch.nn.Module):
+        average = self._averages.get(model)
+        return average.no_sync() if average is not None else super().no_sync(model)
+
     def _compression(self, name: str):
         if name == "bf16":
-            raise UserError("--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
-                            "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
-                            "--backend torch for bf16", quiet=not self.is_main)
+            raise UserError("compression bf16 is not available with the horovod backend: Horovod 0.28 allreduces "
+                            "no bfloat16 tensors; use compression fp16 (Horovod's Compression.fp16), or the "
+                            "torch backend for bf16", quiet=not self.is_main)
         return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]
-
-    def step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None" = None) -> None:
-        if scaler is None:
-            optimizer.step()
-            return
-        # Horovod's step() would wait for the allreduce only after the scaler had
-        # unscaled (and checked) the local, unreduced gradients: wait first, then
-        # unscale the averaged ones and step without synchronizing again.
-        optimizer.synchronize()
-        scaler.unscale_(optimizer)
-        with optimizer.skip_synchronize():
-            scaler.step(optimizer)
-        scaler.update()
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.hvd.allreduce(tensor.detach(), op=self._op(op))

@@ -48,6 +48,41 @@ _COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook, ("fp16", 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
 
+class PreparedDDP(DistributedDataParallel):
+    """DDP that still looks like the user's module: its attributes and methods, and its state_dict keys.
+
+    So ``model.init_hidden()`` and ``model.state_dict()`` mean the same under
+    torchrun as under python or Horovod, where the prepared model is the module itself.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if not modules or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as exc:
+            if "Expected to have finished reduction in the prior iteration" not in str(exc):
+                raise
+            raise UserError(
+                "rank {}: the prepared model's previous forward pass never finished a backward pass: either it "
+                "ran on some ranks only or was not trained (a preview, a metric; run those under torch.no_grad() "
+                "or on job.unwrap(model)), or some parameters took no part in the loss (pass "
+                "find_unused_parameters=True to job.prepare)".format(dist.get_rank())) from None
+
+
 class TorchBackend(Backend):
     name = "torch"
     exchange: "ShmAllreduce | None" = None  # set by wrap() when the ranks share one CPU host
@@ -97,8 +132,8 @@ class TorchBackend(Backend):
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
         # (torch 2.13's name for the older broadcast_buffers=False.)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                      forward_sync_buffers=False)
+        ddp = PreparedDDP(model, device_ids=device_ids, gradient_as_bucket_view=True, forward_sync_buffers=False,
+                          find_unused_parameters=exchange.find_unused_parameters)
         shm = self.exchange = self._shared_memory_exchange(model, exchange)
         if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
@@ -108,7 +143,6 @@ class TorchBackend(Backend):
             # Ranks on one CPU host add each other's buckets in shared memory:
             # no loopback TCP, no gloo threads competing with compute.
             ddp.register_comm_hook(shm, shm_average_hook)
-        # accumulate needs nothing here: the early micro-batches run in no_sync().
         return ddp, optimizer
 
     def _shared_memory_exchange(self, model: torch.nn.Module, exchange: GradientExchange) -> "ShmAllreduce | None":

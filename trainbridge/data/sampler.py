@@ -1,47 +1,90 @@
-"""The training sampler: DistributedSampler's order, able to start mid-epoch.
+"""The training order: which samples each rank takes at each step, as a pure function.
 
-Every rank draws the same permutation from ``seed + epoch`` (exactly as
-``torch.utils.data.DistributedSampler``, padded to a multiple of the world size)
-and rank r takes every world_size-th index. ``set_epoch(epoch, position)`` skips
-the first ``position`` samples of that global order, which is how a resumed run
-continues at the next unseen batch:
+Every rank draws the same permutation of the dataset from ``seed + epoch`` (the
+order ``torch.utils.data.DistributedSampler`` draws). Step k of a pass covers the
+slice ``[k*G, (k+1)*G)`` of it, G being the global batch (batch size x world
+size), and rank r takes every world_size-th sample of that slice. So a step sees
+the same samples whatever the world size: 2 ranks with batch B train what 1 rank
+with batch 2B trains.
 
-* same world size and batch: position = steps done x world x batch, so each rank
-  continues with exactly the indices it would have had (bitwise resume);
-* another world size: the remaining samples of the epoch are re-dealt among the
-  new ranks. Every sample of the epoch is still seen exactly once, but which
-  rank sees which, and so the composition of each batch, changes from there on.
+Only whole global batches are trained. The ``N mod G`` samples left at the end of
+an epoch's order are not (the next epoch reshuffles, so they are different ones
+each time), on every world size, one process included. Padding the last batch
+with repeats, as DistributedSampler does, would train more samples on more ranks
+and change the weights with the world size.
+
+``position`` (samples of the epoch's order already trained) lets a pass start
+where a checkpoint stopped:
+
+* same world size and batch: each rank continues with exactly the samples it
+  would have had (bitwise resume);
+* another world size, same global batch: the same steps follow, dealt among the
+  new ranks.
 """
 from __future__ import annotations
 
-import math
-from typing import Iterator
+from typing import Iterator, List
 
 import torch
-from torch.utils.data import DistributedSampler
+
+MASK64 = (1 << 64) - 1
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    def __init__(self, dataset_size: int, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(range(dataset_size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.position = 0
+def mix_seed(*values: int) -> int:
+    """A well-spread 63-bit seed from integers (splitmix64 over them): nearby inputs give unrelated streams."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & MASK64)) * 0xBF58476D1CE4E5B9 & MASK64
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & MASK64
+        state ^= state >> 31
+    return state >> 1
 
-    def set_epoch(self, epoch: int, position: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.position = position
 
-    def _global_order(self):
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        padding = self.total_size - len(order)
-        # Same padding as DistributedSampler: repeat the start of the order.
-        order += (order * math.ceil(padding / max(len(order), 1)))[:padding]
-        return order
+class SeededBatch(list):
+    """One rank's indices for one step, with the seed its random transforms use (see :mod:`..data.seeded`)."""
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._global_order()[self.position + self.rank:self.total_size:self.num_replicas])
+    def __init__(self, indices: List[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> List[int]:
+    """The epoch's permutation of ``range(size)``, the same on every rank."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def steps_in_pass(size: int, global_batch: int, position: int = 0) -> int:
+    """Whole global batches left in an epoch after ``position`` samples."""
+    return max(0, size - position) // global_batch
+
+
+class TrainBatches:
+    """A batch sampler: this rank's indices for each step of one pass, from ``position`` on.
+
+    Set the pass with :meth:`set_pass` before iterating. Each batch carries a seed
+    from (seed, epoch, position in the epoch, rank), so random augmentation does
+    not depend on which worker process, or which run, loads it.
+    """
+
+    def __init__(self, size: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.batch_size, self.rank, self.world_size, self.seed = size, batch_size, rank, world_size, seed
+        self.epoch, self.position = 0, 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def set_pass(self, epoch: int, position: int = 0) -> None:
+        self.epoch, self.position = epoch, position
 
     def __len__(self) -> int:
-        remaining = self.total_size - self.position - self.rank
-        return max(0, math.ceil(remaining / self.num_replicas))
+        return steps_in_pass(self.size, self.global_batch, self.position)
+
+    def __iter__(self) -> Iterator[SeededBatch]:
+        order = epoch_order(self.size, self.seed, self.epoch)
+        g, w = self.global_batch, self.world_size
+        for step in range(len(self)):
+            start = self.position + step * g
+            yield SeededBatch(order[start + self.rank:start + g:w], mix_seed(self.seed, self.epoch, start, self.rank))

@@ -1,7 +1,7 @@
 """The public API (``import trainbridge as tb``): :func:`init` returns a :class:`Job`."""
 from .files import read_file
-from .job import Job, init
+from .job import Job, exit_process, init, report_failure
 from .loaders import EvalLoader, TrainLoader
 from .spawn import spawn
 
-__all__ = ["EvalLoader", "Job", "TrainLoader", "init", "read_file", "spawn"]
+__all__ = ["EvalLoader", "Job", "TrainLoader", "exit_process", "init", "read_file", "report_failure", "spawn"]

@@ -94,7 +94,11 @@ def _set_threads(requested: int, env: LaunchEnv) -> int:
 
 
 class Job:
-    """This process's place in the job, and the operations a training loop needs."""
+    """This process's place in the job, and the operations a training loop needs.
+
+    ``job.scaler``: the ``torch.amp.GradScaler`` of ``prepare(amp="fp16")``, else
+    None (:meth:`save` and :meth:`load` keep its loss scale for you).
+    """
 
     def __init__(self, backend: Backend, watchdog: Optional[Watchdog] = None) -> None:
         self.backend = backend
@@ -487,7 +491,7 @@ class _ErrorContext:
 _errors = _ErrorContext()
 
 
-def describe(exc: BaseException) -> Optional[int]:
+def report_failure(exc: BaseException) -> Optional[int]:
     """Report ``exc`` as one line if it is the user's or a peer's fault; the exit status, or None for a bug.
 
     Input and launcher errors are the same on every rank: one line from rank 0 is
@@ -523,7 +527,7 @@ def _leave_on_sigterm() -> None:
 
 def _excepthook(exc_type, exc, tb) -> None:
     sys.stderr = sys.__stderr__  # not a capture buffer that os._exit would discard
-    code = describe(exc)
+    code = report_failure(exc)
     if code is None:
         sys.__excepthook__(exc_type, exc, tb)
         return

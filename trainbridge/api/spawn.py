@@ -5,14 +5,14 @@ import functools
 from typing import Any, Callable
 
 from ..launch.spawn import spawn_workers
-from .job import describe
+from .job import report_failure
 
 
 def _run(fn: Callable[..., Any], args: tuple) -> int:
     try:
         return fn(*args) or 0
     except Exception as exc:  # noqa: BLE001 - bad input and peer failures become one line, as under a launcher
-        code = describe(exc)
+        code = report_failure(exc)
         if code is None:
             raise
         return code

@@ -21,7 +21,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from ..api.job import exit_process
+        from ..api import exit_process
         from .train import main as train_main
         exit_process(train_main(rest))
     if command == "doctor":

@@ -15,8 +15,7 @@ from __future__ import annotations
 import functools
 from typing import List, Optional
 
-from ..api import init
-from ..api.job import describe, exit_process
+from ..api import exit_process, init, report_failure
 from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.spawn import spawn_workers
@@ -40,7 +39,7 @@ def run_worker(cfg: TrainConfig) -> int:
         finished = True  # every rank stopped at the same step: leave together
         return PREEMPTED_EXIT_CODE
     except Exception as exc:  # noqa: BLE001 - bad input and peer failures become one line; bugs keep their traceback
-        code = describe(exc)
+        code = report_failure(exc)
         if code is None:
             raise
         return code

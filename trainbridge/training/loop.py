@@ -22,7 +22,6 @@ from typing import Dict, Optional
 import torch
 
 from ..api import Job
-from ..api.job import set_rng_state
 from ..errors import UserError
 from ..tasks import Task, create_task
 from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
@@ -115,7 +114,7 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
         raise UserError(f"the weights became NaN or infinite by step {state.progress.step}; "
                         f"{cfg.output_dir}/{LAST} was not overwritten; lower --lr (now {cfg.lr})",
                         quiet=not job.is_main)
-    checkpoint = state.checkpoint(config=dataclasses.asdict(cfg), backend=job.backend.name,
+    checkpoint = state.checkpoint(config=dataclasses.asdict(cfg), backend=job.backend_name,
                                   world_size=job.world_size, batch_size=cfg.batch_size * cfg.accumulate)
     job.save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS),
              background=background, copies=[os.path.join(cfg.output_dir, BEST)] if best else [])
@@ -133,7 +132,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     with job.main_first():  # a download happens once, on the main rank
         task.fetch(cfg, note=job.print)
     source = task.prepare(cfg, note=job.print)  # every rank at once: loading is not serialised
-    job.print(f"[trainbridge] {source}; backend={job.backend.name} world_size={job.world_size} "
+    job.print(f"[trainbridge] {source}; backend={job.backend_name} world_size={job.world_size} "
               f"launcher={job.launcher} device={job.device}")
 
     warning = cpu_bf16_warning(cfg.amp, job.device)
@@ -150,24 +149,19 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         check_options(cfg, job, checkpoint)
         load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
-    model, optimizer = job.prepare(model, optimizer, amp=cfg.amp, accumulate=cfg.accumulate,
-                                   compression=cfg.compression, shm_allreduce=cfg.shm_allreduce)
-    if checkpoint is not None and job.scaler is not None and checkpoint.get("scaler"):
-        job.scaler.load_state_dict(checkpoint["scaler"])  # the loss scale it had reached
+    model, optimizer = job.prepare(model, optimizer, amp=cfg.amp, compression=cfg.compression,
+                                   shm_allreduce=cfg.shm_allreduce)
     scheduler = build_scheduler(cfg, optimizer)  # after prepare: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, job, cfg.batch_size, layout, cfg.compile)
     if checkpoint is not None:
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        rngs = checkpoint["rng"]["torch"]
-        if len(rngs) == job.world_size:
-            set_rng_state(rngs[job.rank])
-        else:  # another world size: fresh but reproducible per-rank streams
-            torch.manual_seed(cfg.seed + job.rank + 1_000_003 * progress_.step)
+        # The scheduler, the fp16 loss scale it had reached and every rank's random streams
+        # (dropout continues with the masks the interrupted run would have drawn).
+        job.restore(checkpoint, into={"scheduler": scheduler}, source=checkpoint["path"])
         job.print(f"[trainbridge] resuming from {checkpoint['path']} (written by {checkpoint['backend']} with "
                   f"{checkpoint['world_size']} processes): epoch {progress_.epoch + 1}, "
                   f"sample {progress_.position} of the epoch, step {progress_.step}")
     else:
-        torch.manual_seed(cfg.seed + job.rank)  # independent dropout masks per rank
+        job.set_seed(cfg.seed)  # independent dropout masks per rank: seed + rank
     state = TrainState(job.unwrap(model), optimizer, scheduler, progress_, job.scaler)
     metrics = MetricsLog(cfg.output_dir, enabled=job.is_main, append=checkpoint is not None)
     timer = StepTimer(cfg.warmup_steps)
@@ -185,12 +179,13 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     def run_epochs() -> Dict[str, float]:
         # Re-entered by Horovod elastic after a failure: the world may have changed,
         # so the loader is built here, from the live job.
-        loader = job.train_loader(task.train_dataset, step_batch, seed=cfg.seed,
-                                  **task.loader_options("train"), **batch_norm_options(model, cfg, task, job))
+        check_batch_norm(model, cfg, job)
+        loader = job.train_loader(task.train_dataset, step_batch, seed=cfg.seed, **task.loader_options("train"))
         row: Dict[str, float] = {}
         p = state.progress
         while p.epoch < cfg.epochs and not reached(cfg, p):
-            loader.epoch, loader.position = p.epoch, p.position  # the loader continues where the state is
+            # The pass continues where the state is (a resume, or an elastic roll-back).
+            loader.load_state_dict({**loader.state_dict(), "epoch": p.epoch, "position": p.position})
             model.train()
             loss_sum = torch.zeros((), device=job.device)  # summed on the device: no host sync per step
             seen = torch.zeros((), device=job.device)
@@ -221,11 +216,11 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                     job.commit(state)
                 if reached(cfg, p):
                     break
+            else:  # the pass ran to its end: the epoch is complete
+                p.epoch, p.position = p.epoch + 1, 0
             job.drain_stop()
             divergence.check(diverged)
             timer.pause()
-            if loader.epoch > p.epoch or p.position >= loader.sampler.total_size:  # the epoch is complete
-                p.epoch, p.position = p.epoch + 1, 0
             row = run.end_of_epoch(loss_sum, seen)
         return row or run.evaluation_row()
 
@@ -233,17 +228,12 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     return run.finish({**row, **performance(timer, job)})
 
 
-def batch_norm_options(model: torch.nn.Module, cfg: TrainConfig, task: Task, job: Job) -> Dict[str, bool]:
-    """BatchNorm cannot train on one sample: refuse --batch-size 1, and drop a last batch of one."""
+def check_batch_norm(model: torch.nn.Module, cfg: TrainConfig, job: Job) -> None:
+    """BatchNorm cannot train on one sample: refuse --batch-size 1 (every batch is whole, so no other is short)."""
     training_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
-    if not training_norms:
-        return {}
-    if cfg.batch_size == 1:
+    if training_norms and cfg.batch_size == 1:
         raise UserError(f"--batch-size 1 cannot train {cfg.model}: its BatchNorm layers need at least 2 samples per "
                         f"batch; use --batch-size 2 or more", quiet=not job.is_main)
-    per_rank = -(-len(task.train_dataset) // job.world_size)  # the sampler pads to a multiple of the ranks
-    last = per_rank % (cfg.batch_size * cfg.accumulate) % cfg.batch_size
-    return {"drop_last": True} if last == 1 else {}
 
 
 def reached(cfg: TrainConfig, p: Progress) -> bool:
@@ -267,7 +257,7 @@ class Run:
         job.sync_buffers(job.unwrap(self.model))  # evaluate and save one set of BatchNorm statistics
         return {"epoch": p.epoch + (1 if p.position else 0) or 1, "step": p.step,
                 **evaluate(job.unwrap(self.model), self.task, "val", job, cfg.batch_size),
-                "lr": self.state.optimizer.param_groups[0]["lr"], "backend": job.backend.name,
+                "lr": self.state.optimizer.param_groups[0]["lr"], "backend": job.backend_name,
                 "world_size": job.world_size, "launcher": job.launcher,
                 "seconds": round(time.time() - self.started, 3), "samples": p.samples}
 
@@ -300,7 +290,7 @@ class Run:
         final = {**row, "event": "final", "seconds": round(time.time() - self.started, 3)}
         self.metrics.write(final)
         job.save({"model": job.unwrap(self.model).state_dict(), "step": p.step, "epoch": row["epoch"],
-                  "backend": job.backend.name, "world_size": job.world_size, "config": dataclasses.asdict(cfg)},
+                  "backend": job.backend_name, "world_size": job.world_size, "config": dataclasses.asdict(cfg)},
                  os.path.join(cfg.output_dir, "final.pt"))
         score = (f"val_accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final
                  else f"val_loss {final['val_loss']:.4f}")

@@ -29,7 +29,7 @@ def leave() -> None:
     GIL that the destructor holds): seen with Fabric and Accelerate on 3 ranks.
     Every row ends the same way, so that none fails or hangs for that reason.
     """
-    from ...api.job import exit_process
+    from ...api import exit_process
 
     exit_process(0)
 

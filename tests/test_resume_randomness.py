@@ -1,0 +1,153 @@
+"""Bitwise resume when the training draws random numbers: dropout, random augmentation in DataLoader
+workers, numpy and Python noise in the loop; in a user loop and in ``trainbridge train``.
+
+The reference is an uninterrupted run with the same launcher and world size; a
+killed or preempted run, resumed, must end with bitwise the same weights.
+"""
+import re
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import TORCHRUN, Job, bitwise_equal, check, load_final, max_abs_diff, run, torchrun
+
+SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "random_loop.py")
+STEPS = 120  # 6 epochs of 1230 // 60 = 20 steps (30 samples are left out of each epoch)
+
+
+def loop(nproc, out, *args, restarts=None):
+    extra = [] if restarts is None else [f"--max-restarts={restarts}"]
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra, SCRIPT, str(out), *args]
+
+
+def rank_process(job: Job, script: str, rank: int) -> psutil.Process:
+    """The worker of ``rank`` (not one of its DataLoader workers, which share its command line)."""
+    for child in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            if (script in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank)
+                    and child.parent().environ().get("RANK") != str(rank)):
+                return child
+        except psutil.Error:
+            continue
+    pytest.fail(f"no rank {rank} worker running {script}:\n{job.output()[-3000:]}")
+
+
+def wait_for(path: Path, job: Job, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if job.proc.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"never wrote {path}:\n{job.output()[-3000:]}")
+        time.sleep(0.01)
+
+
+def samples_per_step(out: Path) -> dict:
+    """step -> the step's sample ids over all ranks; a step trained twice (after a kill) must repeat its samples."""
+    steps = {}
+    for line in (out / "samples.txt").read_text().splitlines():
+        step, *ids = line.split()
+        assert steps.setdefault(int(step), ids) == ids, f"step {step} trained other samples the second time"
+    return steps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2 ranks under torchrun, augmentation in 2 DataLoader workers, never interrupted."""
+    out = tmp_path_factory.mktemp("random_loop_ref")
+    check(run(loop(2, out, "--workers", "2"), timeout=240))
+    final = load_final(out)
+    assert final["step"] == STEPS
+    return final["model"], samples_per_step(out)
+
+
+def test_loading_in_workers_or_not_draws_the_same_numbers(tmp_path, reference):
+    # Each batch is augmented under its own seed, and the main process's streams
+    # (dropout, loop noise) are put back after loading: the worker count changes nothing.
+    check(run(loop(2, tmp_path, "--workers", "0"), timeout=240))
+    assert bitwise_equal(load_final(tmp_path)["model"], reference[0])
+
+
+def test_sigkill_of_a_rank_mid_epoch_resumes_bitwise(tmp_path, reference):
+    job = Job(loop(2, tmp_path, "--workers", "2", "--checkpoint-every", "7", "--step-delay", "0.02", restarts=1),
+              tmp_path / "log")
+    wait_for(tmp_path / "last.pt", job)
+    rank_process(job, SCRIPT, 1).send_signal(signal.SIGKILL)
+    assert job.wait(timeout=240) == 0, job.output()[-3000:]
+    resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", job.output())]
+    assert resumed and all(0 < s < STEPS and s % 7 == 0 and s % 20 for s in resumed), job.output()[-3000:]
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], reference[0])
+    assert samples_per_step(tmp_path) == reference[1]
+
+
+def stop_with_sigterm(tmp_path: Path, *args: str) -> int:
+    """Start 2 ranks, SIGTERM rank 1 once training has started; the step both stopped at."""
+    job = Job(loop(2, tmp_path, "--workers", "2", "--step-delay", "0.02", *args), tmp_path / "log")
+    wait_for(tmp_path / "samples.txt", job)
+    time.sleep(0.5)
+    rank_process(job, SCRIPT, 1).send_signal(signal.SIGTERM)
+    job.wait(timeout=120)
+    stops = [int(s) for s in re.findall(r"stopped by SIGTERM after step (\d+)", job.output())]
+    assert len(stops) == 1 and 0 < stops[0] < STEPS, job.output()[-3000:]
+    return stops[0]
+
+
+def test_sigterm_then_relaunch_resumes_bitwise(tmp_path, reference):
+    stopped = stop_with_sigterm(tmp_path)
+    result = check(run(loop(2, tmp_path, "--workers", "2"), timeout=240))
+    assert f"resumed at step {stopped}" in result.stdout
+    final = load_final(tmp_path)
+    assert final["step"] == STEPS and bitwise_equal(final["model"], reference[0])
+
+
+def test_resume_at_another_world_size_trains_the_same_samples_per_step(tmp_path, reference):
+    # Same global batch (60 = 2 x 30 = 3 x 20): the steps that follow are the same
+    # slices of each epoch's order, dealt among 3 ranks. Dropout masks are per rank,
+    # so only the samples, not the weights, can be compared.
+    stopped = stop_with_sigterm(tmp_path)
+    result = check(run(loop(3, tmp_path, "--workers", "2"), timeout=240))
+    assert "written by 2 ranks, this job has 3" in result.stdout
+    assert f"resumed at step {stopped}" in result.stdout
+    assert load_final(tmp_path)["step"] == STEPS
+    assert samples_per_step(tmp_path) == reference[1]
+
+
+# ----- trainbridge train with its default model, convnet-dropout --------------------------------
+CLI = ["--model", "convnet-dropout", "--dataset", "mnist-sample", "--seed", "5", "--batch-size", "32",
+       "--epochs", "2", "--threads", "1", "--no-progress"]
+CLI_STEPS = 124  # 2 epochs of 4,000 // 64 = 62 steps
+
+
+@pytest.fixture(scope="module")
+def cli_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli_dropout_ref")
+    check(run(torchrun(2, CLI + ["--output-dir", str(out)]), timeout=240))
+    return load_final(out)["model"]
+
+
+def test_train_convnet_dropout_killed_mid_epoch_resumes_bitwise(tmp_path, cli_reference):
+    cmd = torchrun(2, CLI + ["--checkpoint-every", "10", "--fail-at-step", "87", "--output-dir", str(tmp_path)])
+    result = check(run(cmd[:1] + ["--max-restarts=1"] + cmd[1:], timeout=300))
+    assert "rank 1 exits abruptly before step 87" in result.stdout + result.stderr
+    # Resumed mid-epoch 2, from the step-80 checkpoint: 18 steps of 64 samples into it.
+    assert "epoch 2, sample 1152 of the epoch, step 80" in result.stdout
+    final = load_final(tmp_path)
+    assert final["step"] == CLI_STEPS
+    assert bitwise_equal(final["model"], cli_reference), max_abs_diff(final["model"], cli_reference)
+
+
+def test_train_convnet_dropout_sigterm_then_relaunch_resumes_bitwise(tmp_path, cli_reference):
+    args = CLI + ["--output-dir", str(tmp_path)]
+    job = Job(torchrun(2, args), tmp_path / "log")
+    job.wait_for_output("epoch 1 step 62", timeout=120)
+    job.rank_process(1).send_signal(signal.SIGTERM)  # mid epoch 2
+    job.wait(timeout=120)
+    stops = re.findall(r"stopped by SIGTERM after step (\d+)", job.output())
+    assert len(stops) == 1 and 62 < int(stops[0]) < CLI_STEPS, job.output()[-3000:]
+    result = check(run(torchrun(2, args), timeout=240))
+    assert f"step {stops[0]}" in result.stdout and "resuming from" in result.stdout
+    final = load_final(tmp_path)
+    assert final["step"] == CLI_STEPS and bitwise_equal(final["model"], cli_reference)

@@ -38,8 +38,9 @@ def test_outputs_contract(tmp_path):
         for key in ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "backend", "world_size",
                     "seconds", "samples"):
             assert key in row, key
-    # Epoch 1: 63 steps (62 x 64 + 32 = 4,000 samples); epoch 2 stops after 7 more steps.
-    assert rows[0]["step"] == 63 and rows[0]["samples"] == 4000 and rows[-1]["samples"] == 4000 + 7 * 64
+    # Epoch 1: 62 whole global batches of 64 (3,968 of the 4,000 samples; the 32 left over wait for
+    # a later epoch's order); epoch 2 stops after 8 more steps.
+    assert rows[0]["step"] == 62 and rows[0]["samples"] == 62 * 64 and rows[-1]["samples"] == 70 * 64
 
 
 def test_main_job_reaches_95_percent_on_two_processes(tmp_path):

@@ -1,0 +1,147 @@
+"""Ports of real programs on the public API end with the same weights under every launcher.
+
+tests/api_scripts/real_programs.py runs, in one process job, a word language model
+(LSTM, carried hidden state, clipping), a DCGAN (two prepared models, three backward
+passes per step, a rank-0 preview), a Hugging Face style classifier (dict batches,
+padding collate, gradient accumulation under no_sync, warm-up schedule) and a model
+with unused parameters (find_unused_parameters=True). All in float64 with a fixed
+global batch: every launcher and world size must end within 1e-9 of one plain
+python process, with every rank holding rank 0's weights bit for bit.
+Each launcher is started once; its four programs are checked by separate tests.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
+
+SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "real_programs.py")
+PROGRAMS = ("lm", "gan", "hf", "branch")
+TIMEOUT = 180
+TOLERANCE = 1e-9
+PREVIEW_STEPS = list(range(4, 61, 4))  # the GAN's 60 steps, a preview every 4 on rank 0
+
+# name -> (command for the script's arguments, world size, backend the job must pick)
+LAUNCHERS = {
+    "torchrun-2": (lambda a: [TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *a], 2, "torch"),
+    "torchrun-3": (lambda a: [TORCHRUN, "--standalone", "--nproc-per-node=3", SCRIPT, *a], 3, "torch"),
+    "horovodrun-gloo": (lambda a: [HOROVODRUN, "-np", "2", "--gloo", PYTHON, SCRIPT, *a], 2, "horovod"),
+    "horovodrun-mpi": (lambda a: [HOROVODRUN, "-np", "2", "--mpi", PYTHON, SCRIPT, *a], 2, "horovod"),
+    "mpirun": (lambda a: [MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, SCRIPT, *a], 2, "horovod"),  # auto: Horovod
+    "mpirun-torch": (lambda a: [MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, SCRIPT, *a, "--backend", "torch"], 2,
+                     "torch"),
+}
+
+
+def load(out: Path, program: str) -> dict:
+    return torch.load(out / f"{program}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One plain python process (the local backend) with the whole global batch."""
+    out = tmp_path_factory.mktemp("real_programs_local")
+    result = check(run([PYTHON, SCRIPT, "--output-dir", str(out)], timeout=TIMEOUT))
+    saved = {program: load(out, program) for program in PROGRAMS}
+    for program, final in saved.items():
+        assert (final["world_size"], final["backend"]) == (1, "local"), program
+    return {"out": out, "stdout": result.stdout, **saved}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(name)``: (output dir, result) of the script under that launcher, started once per module."""
+    done = {}
+
+    def launch(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"real_programs_{name}")
+            done[name] = out, run(LAUNCHERS[name][0](["--output-dir", str(out)]), timeout=TIMEOUT)
+        out, result = done[name]
+        return out, check(result)
+    return launch
+
+
+# ----- per program: the same weights as one process, on every rank ---------------------------------
+def check_lm(saved, ref):
+    # The loss each step, averaged over the ranks, is the one process's loss over the global batch.
+    assert len(saved["losses"]) == 24
+    assert max(abs(a - b) for a, b in zip(saved["losses"], ref["losses"])) <= TOLERANCE
+
+
+def check_gan(saved, ref):
+    assert saved["steps"] == 60
+    # The rank-0-only previews happened on rank 0 alone (the other ranks went on without it).
+    assert [extra["previews"] for extra in saved["per_rank"]] == [PREVIEW_STEPS] + [[]] * (saved["world_size"] - 1)
+
+
+def check_hf(saved, ref):
+    # 2 epochs of 41 micro-batches of 24 (1001 samples: 17 left out per epoch), 2 per step, the last one alone.
+    assert len(saved["norms"]) == len(ref["norms"]) == 42
+    # job.clip_grad_norm_'s total norm is the same on every rank and the one process's.
+    for extra in saved["per_rank"]:
+        assert extra["norms"] == saved["norms"] and extra["lrs"] == ref["lrs"]
+    assert max(abs(a - b) for a, b in zip(saved["norms"], ref["norms"])) <= TOLERANCE
+
+
+def check_branch(saved, ref):
+    # aux_head had no gradient (None, not zeros) exactly on the steps no rank used it, on every rank.
+    expected = [step % 2 == 1 for step in range(30)]
+    assert ref["aux_grad_none"] == expected
+    assert [extra["aux_grad_none"] for extra in saved["per_rank"]] == [expected] * saved["world_size"]
+
+
+CHECKS = {"lm": check_lm, "gan": check_gan, "hf": check_hf, "branch": check_branch}
+
+
+@pytest.mark.parametrize("launcher,program", [(name, program) for name in LAUNCHERS for program in PROGRAMS],
+                         ids=[f"{name}-{program}" for name in LAUNCHERS for program in PROGRAMS])
+def test_program_matches_one_process(launcher, program, reference, launched):
+    out, _ = launched(launcher)
+    saved, ref = load(out, program), reference[program]
+    _, world_size, backend = LAUNCHERS[launcher]
+    # The world size and backend the job saw: ranks that each trained alone would also "match".
+    assert (saved["world_size"], saved["backend"]) == (world_size, backend)
+    assert saved["final"].keys() == ref["final"].keys()
+    assert not [key for key in saved["final"] if key.startswith("module.")]
+    assert all(value.dtype == torch.float64 for value in saved["final"].values() if value.is_floating_point())
+    # Rank 0 started where the one process started (prepare gave every rank rank 0's weights) ...
+    assert max_abs_diff(saved["initial"], ref["initial"]) == 0.0
+    # ... every rank ended with rank 0's weights, bit for bit ...
+    assert saved["cross_rank_max_diff"] == 0.0, f"{launcher} {program}: ranks' weights differ"
+    # ... and with the one process's.
+    diff = max_abs_diff(saved["final"], ref["final"])
+    assert diff <= TOLERANCE, f"{launcher} {program}: max abs weight difference {diff:.3g} vs one process"
+    # The weights moved: a run that silently did nothing would also "match" a reference that did nothing.
+    assert max_abs_diff(saved["final"], saved["initial"]) > 1e-3
+    CHECKS[program](saved, ref)
+
+
+# ----- the GAN's preview: on rank 0 only, without a hang, on the generator of that step --------------
+@pytest.mark.parametrize("launcher", ["torchrun-2", "horovodrun-gloo"])
+def test_gan_preview_runs_on_rank_0_only(launcher, reference, launched):
+    out, result = launched(launcher)
+    assert sorted(p.name for p in out.glob("gan_preview_*.pt")) == \
+        sorted(f"gan_preview_rank0_step{step}.pt" for step in PREVIEW_STEPS)
+    assert re.findall(r"gan: preview at step (\d+) on rank (\d+)", result.stdout) == \
+        [(str(step), "0") for step in PREVIEW_STEPS]
+    for step in PREVIEW_STEPS:
+        name = f"gan_preview_rank0_step{step}.pt"
+        preview = torch.load(out / name, weights_only=True)
+        expected = torch.load(reference["out"] / name, weights_only=True)
+        assert preview.shape == (16, 2) and (preview - expected).abs().max().item() <= TOLERANCE
+
+
+# ----- attribute and state_dict forwarding through the DDP wrapper -------------------------------------
+def test_prepared_ddp_model_forwards_init_hidden_and_plain_state_dict_keys_under_torchrun(reference, launched):
+    out, result = launched("torchrun-2")
+    saved = load(out, "lm")
+    # The script called model.init_hidden on a real DDP wrapper, and its state_dict() had the user's keys
+    # (asserted in the script, which would have exited non-zero).
+    assert saved["prepared_is_ddp"] is True and saved["prepared_type"] == "PreparedDDP"
+    assert "lm: prepared model is PreparedDDP (a DDP wrapper: True)" in result.stdout
+    keys = list(saved["final"])
+    assert keys == list(reference["lm"]["final"]) and keys[0] == "encoder.weight"
+    assert not [key for key in keys if key.startswith("module.")]

@@ -59,10 +59,10 @@ TRAIN_REFUSALS = {
                        "same samples per step; leave drop_last out",
 }
 EVAL_REFUSALS = {
-    "shuffle": "the eval loader's order does not change a summed metric; leave shuffle out",
     "sampler": "the eval loader shards the dataset itself (each sample on one rank); give it the dataset",
     "batch_sampler": "the eval loader forms the batches itself; pass batch_size=",
     "drop_last=True": "dropping a last batch would leave samples unscored; leave drop_last out",
+    "shuffle=True": "the eval loader's order does not change a summed metric; leave shuffle out",
 }
 
 
@@ -70,7 +70,8 @@ def _refuse(options: Dict[str, Any], refusals: Dict[str, str], what: str) -> Non
     """One line for a DataLoader option that cannot apply to this loader, when it is built."""
     for key, why in refusals.items():
         name, _, value = key.partition("=")
-        if name in options and (not value or str(bool(options[name])) == value):
+        given = options.get(name)
+        if given is not None and (not value or str(bool(given)) == value):
             raise UserError(f"{what}: {name}={options[name]!r} cannot apply: {why}")
 
 
@@ -122,7 +123,7 @@ class TrainLoader:
         self._generator = torch.Generator()
         self._epoch, self._position = 0, 0  # the open pass, or where the next one starts
         self._open: Optional[object] = None  # the open pass's token
-        self._steps = 0
+        self._steps = self._handed = 0  # batches in the open pass, and handed out of it
         self._loader: Optional[DataLoader] = None
 
     @property
@@ -152,8 +153,9 @@ class TrainLoader:
         return self._epoch, self._position
 
     def __iter__(self) -> Iterator[Any]:
-        if self._open is not None:  # a pass left unfinished (a break, next(iter(...))) ends here
+        if self._open is not None and self._handed:  # a pass left unfinished (a break, next(iter(...))) ends here
             self._end_pass()
+        self._handed = 0  # an iterator that never handed out a batch used up nothing
         self._epoch, self._position = self._next_pass()
         self._open = token = object()
         self.batches.set_pass(self._epoch, self._position)
@@ -176,6 +178,7 @@ class TrainLoader:
                 # Counted before the batch is handed out: a checkpoint written after the
                 # loop body has used it resumes at the next one.
                 self._position += self.global_batch_size
+                self._handed += 1
                 yield to_device(batch, self.device)
         finally:
             if self._open is token:  # exhausted, or closed by a break

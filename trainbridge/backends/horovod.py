@@ -113,7 +113,7 @@ class HorovodBackend(Backend):
              exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
-            raise UserError("shm_allreduce on needs the torch backend; with Horovod, use its MPI controller "
+            raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
                             "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
                             quiet=not self.is_main)
         compression = self._compression(exchange.compression)
@@ -149,9 +149,9 @@ class HorovodBackend(Backend):
 
     def _compression(self, name: str):
         if name == "bf16":
-            raise UserError("compression bf16 is not available with the horovod backend: Horovod 0.28 allreduces "
-                            "no bfloat16 tensors; use compression fp16 (Horovod's Compression.fp16), or the "
-                            "torch backend for bf16", quiet=not self.is_main)
+            raise UserError("--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
+                            "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
+                            "--backend torch for bf16", quiet=not self.is_main)
         return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

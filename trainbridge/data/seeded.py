@@ -17,7 +17,15 @@ from typing import Any, List
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..random_state import numpy, seed_everything
+from ..random_state import numpy
+
+
+def seed_data_streams(seed: int) -> None:
+    """Seed the generators a dataset draws from on the host: torch's CPU one, ``random`` and numpy."""
+    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds every GPU's
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
 
 
 class SeededDataset(Dataset):
@@ -37,10 +45,10 @@ class SeededDataset(Dataset):
         if seed is None:
             return self._fetch(indices)
         if get_worker_info() is not None:  # a worker's generators serve only the data
-            seed_everything(seed)
+            seed_data_streams(seed)
             return self._fetch(indices)
         saved = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
-        seed_everything(seed)
+        seed_data_streams(seed)
         try:
             return self._fetch(indices)
         finally:

@@ -104,7 +104,8 @@ class TrainLoader:
         self.before_fork = before_fork
         size = _check_dataset(dataset, "train_loader")
         _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
-        dataloader_options.pop("drop_last", None)  # True is what happens anyway
+        for accepted in ("drop_last", "sampler", "batch_sampler", "generator"):  # True / None: what happens anyway
+            dataloader_options.pop(accepted, None)
         if batch_size < 1:
             raise UserError(f"train_loader: batch_size must be at least 1 (got {batch_size})")
         if size == 0:
@@ -216,7 +217,8 @@ class EvalLoader:
         self.before_fork = before_fork
         size = _check_dataset(dataset, "eval_loader")
         _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
-        dataloader_options.pop("drop_last", None)
+        for accepted in ("drop_last", "shuffle", "sampler", "batch_sampler"):  # the harmless values that got past
+            dataloader_options.pop(accepted, None)
         if batch_size < 1:
             raise UserError(f"eval_loader: batch_size must be at least 1 (got {batch_size})")
         self.device = device

@@ -145,3 +145,35 @@ def test_prepared_ddp_model_forwards_init_hidden_and_plain_state_dict_keys_under
     keys = list(saved["final"])
     assert keys == list(reference["lm"]["final"]) and keys[0] == "encoder.weight"
     assert not [key for key in keys if key.startswith("module.")]
+
+
+# ----- mistakes with a prepared model ------------------------------------------------------------
+MISUSE = str(Path(__file__).resolve().parent / "api_scripts" / "prepared_misuse.py")
+MISUSE_LAUNCHERS = {
+    "torchrun": lambda mode: [TORCHRUN, "--standalone", "--nproc-per-node=2", MISUSE, mode],
+    "horovodrun-gloo": lambda mode: [HOROVODRUN, "-np", "2", "--gloo", PYTHON, MISUSE, mode],
+}
+
+
+@pytest.mark.parametrize("launcher", list(MISUSE_LAUNCHERS))
+@pytest.mark.parametrize("mode", ["preview", "preview-found", "unused-found"])
+def test_a_rank_0_preview_with_gradients_and_unused_parameters_declared_just_work(launcher, mode):
+    result = check(run(MISUSE_LAUNCHERS[launcher](mode), timeout=120))
+    assert "finished" in result.stdout
+
+
+@pytest.mark.parametrize("launcher", list(MISUSE_LAUNCHERS))
+def test_unused_parameters_not_declared_end_in_one_line_naming_the_option(launcher):
+    # The script's timeout is 60 s: the line must come from the check, not from the watchdog.
+    result = run(MISUSE_LAUNCHERS[launcher]("unused"), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "finished" not in result.stdout, output[-3000:]
+    # torchrun repeats a worker's last line in its summary: count the distinct messages.
+    lines = sorted({line[line.index("trainbridge: error:"):] for line in output.splitlines()
+                    if "trainbridge: error:" in line})
+    # One line with the cause, from the rank that skipped the layer; the other rank may add
+    # its own one line, that a peer failed (the launcher names the first as the root cause).
+    causes = [line for line in lines if "find_unused_parameters=True" in line]
+    assert len(causes) == 1 and ("rank 1" in causes[0] or "head.weight" in causes[0]), output[-3000:]
+    assert all(line in causes or "another rank" in line for line in lines), output[-3000:]
+    assert "prepared_misuse.py\", line" not in output, output[-3000:]  # no traceback through the user's code

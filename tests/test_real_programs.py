@@ -9,6 +9,7 @@ global batch: every launcher and world size must end within 1e-9 of one plain
 python process, with every rank holding rank 0's weights bit for bit.
 Each launcher is started once; its four programs are checked by separate tests.
 """
+import json
 import re
 from pathlib import Path
 
@@ -177,3 +178,21 @@ def test_unused_parameters_not_declared_end_in_one_line_naming_the_option(launch
     assert len(causes) == 1 and ("rank 1" in causes[0] or "head.weight" in causes[0]), output[-3000:]
     assert all(line in causes or "another rank" in line for line in lines), output[-3000:]
     assert "prepared_misuse.py\", line" not in output, output[-3000:]  # no traceback through the user's code
+
+
+AMP_CLIP = str(Path(__file__).resolve().parent / "api_scripts" / "amp_clip.py")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun-gloo"])
+def test_clip_grad_norm_takes_the_fp16_loss_scale_out_first(launcher):
+    cmd = {"torchrun": [TORCHRUN, "--standalone", "--nproc-per-node=2", AMP_CLIP],
+           "horovodrun-gloo": [HOROVODRUN, "-np", "2", "--gloo", PYTHON, AMP_CLIP]}[launcher]
+    result = check(run(cmd, timeout=120))
+    line = next(line for line in result.stdout.splitlines() if '"rank"' in line)
+    rows = json.loads(line[line.index("[{"):])  # horovodrun prefixes "[0]<stdout>:"
+    assert sorted(row["rank"] for row in rows) == [0, 1]
+    for row in rows:
+        assert row["scale"] > 1  # the gradients were scaled: a clip that forgot it would see scale x norm
+        assert row["returned"] == pytest.approx(row["expected"], rel=1e-6)
+        assert row["applied"] <= 0.01 * (1 + 1e-5) < row["returned"]
+    assert rows[0]["returned"] == rows[1]["returned"]  # averaged gradients: the same norm on every rank

@@ -18,6 +18,63 @@ from torch.utils.serialization import config as _serialization_config
 
 from ..errors import UserError, first_line
 
+# What torch.load(weights_only=True) reads back besides tensors and the containers below.
+PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint file that cannot be read at all (truncated, not a torch file): the only kind set aside."""
+
+
+def _loadable_globals() -> set:
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+        allowed = set(_get_allowed_globals())
+    except (ImportError, AttributeError):  # another torch: trust torch.save's own checks
+        return set()
+    return allowed | {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
+                      if hasattr(g, "__qualname__")}
+
+
+def state_mismatch(model: torch.nn.Module, state: Dict[str, Any]) -> Optional[str]:
+    """The missing, unexpected and mis-shaped keys of ``state`` for ``model``, in a phrase; None when it fits."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [k for k in own if k in state and getattr(state[k], "shape", None) != own[k].shape]
+    if not (missing or unexpected or mismatched):
+        return None
+
+    def short(keys):
+        return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "") if keys else "none"
+    return (f"missing keys: {short(missing)}; unexpected keys: {short(unexpected)}; "
+            f"shape mismatches: {short(mismatched)}")
+
+
+def unloadable_value(obj: Any, where: str = "") -> Optional[str]:
+    """Where ``obj`` holds a value that ``torch.load(weights_only=True)`` refuses, and what it is; None if nowhere.
+
+    A file holding one could be written but never read back (a numpy scalar, an
+    ``argparse.Namespace``, a named tuple, a ``pathlib.Path``, a function).
+    """
+    allowed = _loadable_globals()
+    if not allowed:
+        return None
+    stack = [(where, obj)]
+    while stack:
+        path, value = stack.pop()
+        if type(value) in PLAIN_TYPES or isinstance(value, torch.Tensor):  # exact: numpy.float64 is a float too
+            continue
+        kind = type(value)
+        if kind in (dict, list, tuple, set, frozenset) or f"{kind.__module__}.{kind.__qualname__}" in allowed:
+            if isinstance(value, dict):
+                stack += [(f"{path}[{k!r}]", v) for k, v in value.items()] + [(f"{path} key", k) for k in value]
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                stack += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            continue
+        return f"{path or 'the object'} holds a {kind.__module__}.{kind.__qualname__} ({first_line(repr(value), 60)})"
+    return None
+
 
 def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
@@ -108,8 +165,14 @@ def read_file(path: str, map_location: Any = "cpu", missing: str = "check the pa
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: {first_line(exc)}); "
-                        f"{corrupt}") from None
+        if "Weights only load failed" in str(exc):  # readable, but holds a type outside the allow-list
+            refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                           first_line(exc))
+            raise UserError(f"checkpoint {path} is intact but holds a value torch.load(weights_only=True) refuses "
+                            f"({refused[:200]}); load it with torch.serialization.add_safe_globals([...]) for that "
+                            f"type, or, if you trust the file, torch.load(weights_only=False)") from None
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
+                                f"{first_line(exc)}); {corrupt}") from None
 
 
 def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:

@@ -41,7 +41,7 @@ from ..launch import LaunchEnv, detect_launch, report_error
 from ..launch.rendezvous import finalize_mpi
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
-from .files import BackgroundWriter, read_file, save_all
+from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader
 from .stop import StopSignal, Watchdog
 
@@ -62,6 +62,9 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     gloo (torch backend). ``threads``: intra-op threads per rank (0: the cores
     shared among local ranks). ``malloc_tuning``: auto or off (glibc heap settings).
     """
+    if _errors.job is not None:
+        raise UserError("tb.init() was already called in this process; use the job it returned "
+                        "(or call job.shutdown() before joining again)")
     env = detect_launch()
     sys.excepthook = _excepthook
     if timeout <= 0:
@@ -173,7 +176,20 @@ class Job:
         """
         exchange = GradientExchange(compression=compression, shm_allreduce=shm_allreduce,
                                     find_unused_parameters=find_unused_parameters)
+        if any(model is prepared or self.unwrap(prepared) is model for prepared, _ in self._prepared):
+            raise UserError("job.prepare: this model was already prepared; prepare each model once and keep using "
+                            "the model it returned", quiet=not self.is_main)
         check_freezing_spelled_right(model)
+        self.backend.check_same_on_every_rank(
+            "the model's parameters", {n: tuple(p.shape) for n, p in model.named_parameters()},
+            "build the same model on every rank")
+        if optimizer is not None:
+            self.backend.check_same_on_every_rank(
+                "the optimizer",
+                {"type": type(optimizer).__name__, "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                                    for g in optimizer.param_groups]},
+                "give every rank the same optimizer and learning rate (scale it by the world size on every rank, "
+                "not by the rank)")
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
         if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -255,11 +271,19 @@ class Job:
         the same samples per step under any world size. ``dataloader_options`` go
         to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
+        # Before the loader checks its arguments: a rank whose own check failed would leave the others waiting here.
+        self.backend.check_same_on_every_rank(
+            "train_loader", {"dataset size": _size(dataset), "seed": seed, "batch_size": batch_size},
+            "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
+            "manual_seed(...)) and pass the same seed and batch_size")
         return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
                            seed=seed, before_fork=self._before_fork, **dataloader_options)
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
+        self.backend.check_same_on_every_rank(
+            "eval_loader", {"dataset size": _size(dataset)},
+            "every rank must hold the same evaluation set (seed a random_split with generator=...)")
         return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
                           before_fork=self._before_fork, **dataloader_options)
 
@@ -274,6 +298,10 @@ class Job:
         """``tensor`` reduced over ranks with op "sum", "mean" or "max"; a new tensor."""
         if op not in ("sum", "mean", "max"):
             raise UserError(f"allreduce op {op!r} is not supported; use sum, mean or max")
+        # A dtype or shape that differs between ranks gives garbage or aborts inside gloo: say so first.
+        self.backend.check_same_on_every_rank("job.allreduce's tensor",
+                                              {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
+                                              "reduce a tensor of the same dtype and shape on every rank")
         return self.backend.allreduce(tensor, op)
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
@@ -359,7 +387,19 @@ class Job:
         :meth:`wait_for_saves` and :meth:`shutdown` wait for it; a failed
         background write raises there, as one line.
         """
+        if not isinstance(obj, Mapping):
+            raise UserError(f"job.save takes a dict of what to save, got a {type(obj).__name__}; "
+                            f"write job.save({{'model': model, ...}}, path)", quiet=not self.is_main)
+        if RNG_KEY in obj:
+            raise UserError(f"job.save: the key {RNG_KEY!r} is where every rank's random streams are saved; "
+                            f"store yours under another name", quiet=not self.is_main)
         state = {key: self._state_of(value) for key, value in obj.items()}
+        problem = unloadable_value(state)
+        if problem is not None:
+            raise UserError(f"job.save: {problem}, which torch.load(weights_only=True) cannot read back, so {path} "
+                            f"could never be loaded; save a plain value instead (float(x), str(path), vars(args), "
+                            f"tuple(named_tuple), a dict) or allow the type with torch.serialization.add_safe_globals",
+                            quiet=not self.is_main)
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
         rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
@@ -406,6 +446,10 @@ class Job:
                 raise UserError(f"{source} has no {key!r}; it holds {', '.join(k for k in saved if k != RNG_KEY)}; "
                                 f"load it into the same keys it was saved with")
             if isinstance(value, torch.nn.Module):
+                mismatch = state_mismatch(self.unwrap(value), saved[key])
+                if mismatch:
+                    raise UserError(f"{source}'s {key!r} is for another model: {mismatch}; load it into the model "
+                                    f"it was saved from", quiet=not self.is_main)
                 self.unwrap(value).load_state_dict(saved[key])
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(saved[key])
@@ -470,6 +514,14 @@ def exit_process(code: int) -> NoReturn:
     sys.stderr.flush()
     os._exit(code)
 
+
+
+def _size(dataset: Any) -> Optional[int]:
+    """len(dataset), or None for a dataset without one (the loader then refuses it in one line)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def check_freezing_spelled_right(model: torch.nn.Module) -> None:

@@ -106,8 +106,8 @@ class TrainLoader:
         _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
         for accepted in ("drop_last", "sampler", "batch_sampler", "generator"):  # True / None: what happens anyway
             dataloader_options.pop(accepted, None)
-        if batch_size < 1:
-            raise UserError(f"train_loader: batch_size must be at least 1 (got {batch_size})")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"train_loader: batch_size must be a whole number of at least 1 (got {batch_size!r})")
         if size == 0:
             raise UserError("train_loader: the dataset is empty; check where it reads its files from")
         if size < batch_size * world_size:
@@ -219,8 +219,8 @@ class EvalLoader:
         _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
         for accepted in ("drop_last", "shuffle", "sampler", "batch_sampler"):  # the harmless values that got past
             dataloader_options.pop(accepted, None)
-        if batch_size < 1:
-            raise UserError(f"eval_loader: batch_size must be at least 1 (got {batch_size})")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"eval_loader: batch_size must be a whole number of at least 1 (got {batch_size!r})")
         self.device = device
         shard = Subset(dataset, range(rank, size, world_size))
         options = _loader_options(dataset, device, dict(dataloader_options))

@@ -49,6 +49,18 @@ class GradientExchange:
 T = TypeVar("T")
 
 
+def first_difference(values: List[Any], where: str = "") -> Tuple[str, List[Any]]:
+    """The first place where the ranks' ``values`` differ: ``(" at [i]['key']", the values there)``."""
+    first = values[0]
+    if all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
+        key = next(k for k in first if any(repr(v[k]) != repr(first[k]) for v in values))
+        return first_difference([v[key] for v in values], f"{where}[{key!r}]")
+    if all(isinstance(v, list) and len(v) == len(first) for v in values):  # a tuple (a shape) is one value
+        i = next(i for i in range(len(first)) if any(repr(v[i]) != repr(first[i]) for v in values))
+        return first_difference([v[i] for v in values], f"{where}[{i}]")
+    return (f" at {where}" if where else ""), values
+
+
 class Backend(abc.ABC):
     """One process's view of the job. Construct, then :meth:`init` before use."""
 
@@ -173,6 +185,23 @@ class Backend(abc.ABC):
         """
         for buffer in model.buffers():
             self.broadcast_(buffer, src=0)
+
+    def check_same_on_every_rank(self, what: str, value: Any, fix: str) -> None:
+        """One line on every rank, naming the ranks and their values, when ``value`` differs between ranks.
+
+        For the cheap things a rank-divergent script gets wrong (an unseeded
+        ``random_split``, a per-rank learning rate): checked once, where they are
+        given, instead of training on inconsistent data or meeting in different collectives.
+        """
+        values = self.allgather_object(value)
+        if all(repr(v) == repr(values[0]) for v in values):
+            return
+        where, values = first_difference(values)
+        groups: dict = {}
+        for rank, shown in enumerate(repr(v)[:100] for v in values):
+            groups.setdefault(shown, []).append(rank)
+        seen = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {v}" for v, r in groups.items())
+        raise UserError(f"{what}: the ranks disagree{where} ({seen}); {fix}", quiet=not self.is_main)
 
     # ----- surviving failures -----------------------------------------------
     def describe_failure(self, exc: BaseException) -> "str | None":

@@ -210,6 +210,10 @@ class HorovodBackend(Backend):
             return decide()
         return super().decide_on_main(decide)
 
+    def check_same_on_every_rank(self, what: str, value: Any, fix: str) -> None:
+        if not self.elastic:  # no collectives outside hvd.elastic.run (see wrap)
+            super().check_same_on_every_rank(what, value, fix)
+
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         if self.elastic:  # no barrier outside hvd.elastic.run (see wrap)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 
-from ..api.files import read_file
+from ..api.files import CorruptCheckpoint, read_file, state_mismatch
 from ..errors import UserError
 
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
@@ -58,7 +58,7 @@ def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> 
             continue
         try:
             return path, read_checkpoint(path)
-        except UserError as exc:
+        except CorruptCheckpoint as exc:  # only an unreadable file; a readable one is never moved
             aside = path + ".corrupt"
             try:
                 os.replace(path, aside)
@@ -74,16 +74,10 @@ def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> 
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
     """load_state_dict with a one-line error naming missing and unexpected keys."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    mismatched = [k for k in own if k in state and own[k].shape != state[k].shape]
-    if missing or unexpected or mismatched:
-        def short(keys):
-            return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "") if keys else "none"
-        raise UserError(f"checkpoint {path} is for another model: missing keys: {short(missing)}; "
-                        f"unexpected keys: {short(unexpected)}; shape mismatches: {short(mismatched)}; "
-                        f"use the --model it was trained with, or --resume never")
+    mismatch = state_mismatch(model, state)
+    if mismatch:
+        raise UserError(f"checkpoint {path} is for another model: {mismatch}; use the --model it was trained with, "
+                        f"or --resume never")
     model.load_state_dict(state)
 
 

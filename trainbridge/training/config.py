@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from ..api.files import unloadable_value
 from ..backends import BACKENDS
 from ..backends.base import COMPRESSIONS
 from ..errors import UserError
@@ -72,6 +73,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, value in self.task_options.items():
             setattr(self, name, value)
+
+    def saved(self) -> Dict[str, Any]:
+        """The config as checkpoints store it: a task option that ``torch.load(weights_only=True)`` could not
+        read back (a ``pathlib.Path``, say) is stored as its string."""
+        config = dataclasses.asdict(self)
+        config["task_options"] = {k: str(v) if unloadable_value(v) else v for k, v in self.task_options.items()}
+        return config
 
     def apply_task_defaults(self, task) -> None:
         """Fill options left unset with the task's defaults (model, optimizer, lr, scheduler)."""
@@ -145,8 +153,9 @@ TRAINING_OPTIONS = ("task", "model", "dataset", "lr", "optimizer", "scheduler", 
 
 def changed_options(saved: Dict[str, Any], saved_world_size: int, current: "TrainConfig", world_size: int) -> List[str]:
     """``--name saved -> current`` for each training option that differs from the checkpoint's."""
-    changes = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(current, name)}" for name in TRAINING_OPTIONS
-               if name in saved and saved[name] != getattr(current, name)]
+    now_saved = current.saved()
+    changes = [f"--{name.replace('_', '-')} {saved[name]} -> {now_saved[name]}" for name in TRAINING_OPTIONS
+               if name in saved and saved[name] != now_saved[name]]
     before = saved["batch_size"] * saved.get("accumulate", 1) * saved_world_size
     now = current.batch_size * current.accumulate * world_size
     if before != now:

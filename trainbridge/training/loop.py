@@ -114,7 +114,7 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
         raise UserError(f"the weights became NaN or infinite by step {state.progress.step}; "
                         f"{cfg.output_dir}/{LAST} was not overwritten; lower --lr (now {cfg.lr})",
                         quiet=not job.is_main)
-    checkpoint = state.checkpoint(config=dataclasses.asdict(cfg), backend=job.backend_name,
+    checkpoint = state.checkpoint(config=cfg.saved(), backend=job.backend_name,
                                   world_size=job.world_size, batch_size=cfg.batch_size * cfg.accumulate)
     job.save(checkpoint, os.path.join(cfg.output_dir, LAST), keep_previous=os.path.join(cfg.output_dir, PREVIOUS),
              background=background, copies=[os.path.join(cfg.output_dir, BEST)] if best else [])
@@ -290,7 +290,7 @@ class Run:
         final = {**row, "event": "final", "seconds": round(time.time() - self.started, 3)}
         self.metrics.write(final)
         job.save({"model": job.unwrap(self.model).state_dict(), "step": p.step, "epoch": row["epoch"],
-                  "backend": job.backend_name, "world_size": job.world_size, "config": dataclasses.asdict(cfg)},
+                  "backend": job.backend_name, "world_size": job.world_size, "config": cfg.saved()},
                  os.path.join(cfg.output_dir, "final.pt"))
         score = (f"val_accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final
                  else f"val_loss {final['val_loss']:.4f}")

@@ -1,0 +1,60 @@
+"""Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
+
+Rank-divergent inputs (run under a launcher with 2 ranks):
+    dataset-size, seed, lr, shapes, allreduce-dtype, allreduce-shape
+Misuse in one process:
+    init-twice, prepare-twice, save-not-a-dict, save-rng-key, save-numpy, save-namespace,
+    save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model
+Prints "no error" if the mistake went through.
+"""
+import argparse
+import collections
+import os
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+import trainbridge as tb
+
+
+def main(mode: str, out: str) -> None:
+    job = tb.init(timeout=60)
+    rank = job.rank
+    data = torch.utils.data.TensorDataset(torch.randn(1000 + (rank if mode == "dataset-size" else 0), 4))
+    hidden = 8 + (rank if mode == "shapes" else 0)
+    model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1 if mode == "lr" else 1))
+    if mode == "init-twice":
+        tb.init()
+    model, optimizer = job.prepare(model, optimizer)
+    if mode == "prepare-twice":
+        job.prepare(model, optimizer)
+    loader = job.train_loader(data, batch_size=2.5 if mode == "batch-size-float" else 10,
+                              seed=rank if mode == "seed" else 0)
+    if mode == "allreduce-dtype":
+        job.allreduce(torch.ones(3) if rank == 0 else torch.ones(3, dtype=torch.int32), "sum")
+    if mode == "allreduce-shape":
+        job.allreduce(torch.ones(3 + rank), "sum")
+    values = {"save-numpy": np.float64(0.5), "save-namespace": argparse.Namespace(lr=0.1),
+              "save-namedtuple": collections.namedtuple("Point", "x y")(1, 2), "save-path": pathlib.Path(out),
+              "save-lambda": lambda x: x}
+    path = os.path.join(out, "ckpt.pt")
+    if mode in values:
+        job.save({"model": model, "extra": values[mode]}, path)
+    if mode == "save-not-a-dict":
+        job.save(model, path)
+    if mode == "save-rng-key":
+        job.save({"model": model, "rng": 1}, path)
+    if mode == "load-other-model":
+        job.save({"model": model, "loader": loader}, path)
+        other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        job.load(path, into={"model": other})
+    job.print("no error")
+    job.exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,98 @@
+"""Mistakes in a user's loop end in one line that names the problem and the fix (tests/api_scripts/misuse.py).
+
+Rank-divergent inputs are checked once, where they are given (loaders, prepare,
+allreduce), so they read as a mismatch of values, not as a rank that died; misuse in
+one process is refused where it happens; a checkpoint that could never be loaded is
+never written, and a readable one that weights_only refuses is never called corrupt.
+"""
+import argparse
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, plain, run
+
+SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "misuse.py")
+
+
+def error_lines(result) -> list:
+    """The distinct ``trainbridge: error:`` messages (torchrun repeats a worker's in its summary)."""
+    output = result.stdout + result.stderr
+    return sorted({line[line.index("trainbridge: error:"):] for line in output.splitlines()
+                   if "trainbridge: error:" in line})
+
+
+def assert_one_line(result, pattern: str) -> None:
+    output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode != 0 and "no error" not in result.stdout, output
+    lines = error_lines(result)
+    assert len(lines) == 1 and re.search(pattern, lines[0]), output
+    assert "misuse.py\", line" not in result.stdout + result.stderr, output  # no traceback through the script
+
+
+ONE_PROCESS = {
+    "init-twice": r"tb\.init\(\) was already called in this process",
+    "prepare-twice": r"this model was already prepared",
+    "save-not-a-dict": r"job\.save takes a dict of what to save, got a Sequential",
+    "save-rng-key": r"the key 'rng' is where every rank's random streams are saved",
+    "save-numpy": r"\['extra'\] holds a numpy\.float64 .*could never be loaded; save a plain value",
+    "save-namespace": r"\['extra'\] holds a argparse\.Namespace .*vars\(args\)",
+    "save-namedtuple": r"\['extra'\] holds a __main__\.Point .*tuple\(named_tuple\)",
+    "save-path": r"\['extra'\] holds a pathlib\.PosixPath .*str\(path\)",
+    "save-lambda": r"\['extra'\] holds a builtins\.function",
+    "batch-size-float": r"batch_size must be a whole number of at least 1 \(got 2\.5\)",
+    "load-other-model": r"ckpt\.pt's 'model' is for another model: .*shape mismatches: 0\.weight",
+}
+
+
+@pytest.mark.parametrize("mode", list(ONE_PROCESS))
+def test_misuse_in_one_process_is_one_line(mode, tmp_path):
+    result = run([PYTHON, SCRIPT, mode, str(tmp_path)], timeout=60)
+    assert_one_line(result, ONE_PROCESS[mode])
+    assert result.returncode == 2
+    if mode.startswith("save-"):  # nothing written, nothing left behind
+        assert list(tmp_path.iterdir()) == []
+
+
+RANK_DIVERGENT = {
+    "dataset-size": r"train_loader: the ranks disagree at \['dataset size'\] \(rank 0: 1000; rank 1: 1001\); "
+                    r".*random_split",
+    "seed": r"train_loader: the ranks disagree at \['seed'\] \(rank 0: 0; rank 1: 1\)",
+    "lr": r"the optimizer: the ranks disagree at \['param_groups'\]\[0\]\['lr'\] \(rank 0: 0\.1; rank 1: 0\.2\)",
+    "shapes": r"the model's parameters: the ranks disagree at \['0\.weight'\] \(rank 0: \(8, 4\); rank 1: \(9, 4\)\)",
+    "allreduce-dtype": r"job\.allreduce's tensor: the ranks disagree at \['dtype'\] "
+                       r"\(rank 0: 'torch\.float32'; rank 1: 'torch\.int32'\)",
+    "allreduce-shape": r"the ranks disagree at \['shape'\] \(rank 0: \(3,\); rank 1: \(4,\)\)",
+}
+
+
+@pytest.mark.parametrize("mode", list(RANK_DIVERGENT))
+def test_rank_divergent_inputs_name_the_ranks_and_values(mode, tmp_path):
+    started = time.monotonic()
+    result = run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, mode, str(tmp_path)], timeout=120)
+    assert_one_line(result, RANK_DIVERGENT[mode])
+    # Said at once, not by the watchdog after the script's 60 s timeout, and not as a dead rank.
+    assert time.monotonic() - started < 45
+    assert "another rank" not in result.stdout + result.stderr
+
+
+def test_rank_divergent_dataset_under_horovod_is_one_line(tmp_path):
+    result = run([HOROVODRUN, "-np", "2", "--gloo", PYTHON, SCRIPT, "dataset-size", str(tmp_path)], timeout=120)
+    assert_one_line(result, RANK_DIVERGENT["dataset-size"])
+
+
+def test_a_readable_checkpoint_that_weights_only_refuses_is_not_called_corrupt(tmp_path):
+    # A checkpoint written by an older release, or by hand, holding a type outside the allow-list.
+    last = tmp_path / "last.pt"
+    torch.save({"format": "trainbridge-checkpoint-1", "config": argparse.Namespace(lr=0.1)}, last)
+    before = last.read_bytes()
+    result = run(plain(["--dataset", "mnist-sample", "--epochs", "1", "--no-progress", "--output-dir", str(tmp_path)]),
+                 timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert len(lines) == 1 and "is intact but holds a value torch.load(weights_only=True) refuses" in lines[0], lines
+    assert "argparse.Namespace" in lines[0] and "corrupt" not in lines[0]
+    assert last.read_bytes() == before and not (tmp_path / "last.pt.corrupt").exists()

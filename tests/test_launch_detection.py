@@ -82,3 +82,17 @@ def test_explicit_backend_is_kept_and_unknown_rejected():
     assert choose_backend("torch", LaunchEnv("mpirun")) == "torch"
     with pytest.raises(UserError, match="unknown backend"):
         choose_backend("jax", LaunchEnv("python"))
+
+
+def test_world_size_without_the_rest_of_env_is_one_line_naming_what_is_missing():
+    # Run alone, each process would train its own model as a one-process job.
+    with pytest.raises(UserError, match=r"WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"):
+        detect_launch({"WORLD_SIZE": "2"})
+    assert detect_launch({"WORLD_SIZE": "1"}).launcher == "python"
+
+
+@pytest.mark.parametrize("environ", [{"TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "abc"},
+                                     {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "abc"}])
+def test_a_variable_that_is_not_a_number_is_named(environ):
+    with pytest.raises(UserError, match=r"MASTER_PORT='abc' is not a whole number"):
+        detect_launch(environ)

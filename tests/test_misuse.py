@@ -6,14 +6,16 @@ one process is refused where it happens; a checkpoint that could never be loaded
 never written, and a readable one that weights_only refuses is never called corrupt.
 """
 import argparse
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import HOROVODRUN, PYTHON, TORCHRUN, plain, run
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, Job, plain, run
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "misuse.py")
 
@@ -96,3 +98,30 @@ def test_a_readable_checkpoint_that_weights_only_refuses_is_not_called_corrupt(t
     assert len(lines) == 1 and "is intact but holds a value torch.load(weights_only=True) refuses" in lines[0], lines
     assert "argparse.Namespace" in lines[0] and "corrupt" not in lines[0]
     assert last.read_bytes() == before and not (tmp_path / "last.pt.corrupt").exists()
+
+
+def test_world_size_without_rank_is_one_line():
+    # Before: every process ran alone as world size 1 and trained its own model.
+    result = run([PYTHON, "-c", "import trainbridge as tb; tb.init(); print('no error')"], timeout=60,
+                 env={"WORLD_SIZE": "2"})
+    assert_one_line(result, r"WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not")
+    assert result.returncode == 2
+
+
+NO_STOP_CHECK = str(Path(__file__).resolve().parent / "api_scripts" / "no_stop_check.py")
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_sigterm_ends_a_loop_that_never_calls_should_stop(launcher, tmp_path):
+    # Sent to the whole process group, as SLURM and Kubernetes do. Before: the loop ran to its end, exit 0.
+    cmd = [PYTHON, NO_STOP_CHECK] if launcher == "python" else \
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", NO_STOP_CHECK]
+    job = Job(cmd, tmp_path / "log")
+    job.wait_for_output("training", timeout=60)
+    signalled = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code = job.wait(timeout=60)
+    assert time.monotonic() - signalled < 20, job.output()[-3000:]
+    assert code != 0 and "finished" not in job.output(), job.output()[-3000:]
+    if launcher == "python":
+        assert code == -signal.SIGTERM  # the signal's own default action, as without trainbridge

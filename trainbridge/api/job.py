@@ -62,11 +62,11 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     gloo (torch backend). ``threads``: intra-op threads per rank (0: the cores
     shared among local ranks). ``malloc_tuning``: auto or off (glibc heap settings).
     """
+    sys.excepthook = _excepthook  # from here on, bad input is one line
     if _errors.job is not None:
         raise UserError("tb.init() was already called in this process; use the job it returned "
                         "(or call job.shutdown() before joining again)")
     env = detect_launch()
-    sys.excepthook = _excepthook
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
     threads = _set_threads(threads, env)
@@ -554,7 +554,7 @@ def report_failure(exc: BaseException) -> Optional[int]:
     (``tb.UserError(message, quiet=not job.is_main)`` for one that every rank hits).
     """
     if isinstance(exc, UserError):
-        if (_errors.job is None and detect_launch().rank != 0) or exc.quiet:
+        if (_errors.job is None and _launch_rank() != 0) or exc.quiet:
             _leave_on_sigterm()
             time.sleep(QUIET_RANK_GRACE_SECONDS)
         if not exc.quiet:
@@ -569,6 +569,14 @@ def report_failure(exc: BaseException) -> Optional[int]:
     time.sleep(PEER_FAILURE_DELAY_SECONDS)
     report_error(message)
     return 1
+
+
+def _launch_rank() -> int:
+    """This process's rank as the launcher announced it; 0 when the announcement itself is the error."""
+    try:
+        return detect_launch().rank
+    except UserError:
+        return 0
 
 
 def _leave_on_sigterm() -> None:

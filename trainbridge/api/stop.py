@@ -1,7 +1,9 @@
 """Stopping together: the SIGTERM agreement and the no-progress watchdog.
 
 SIGTERM, as sent by SLURM before a time limit or by Kubernetes before eviction,
-sets a flag. Ranks must agree on the step at which they stop, or one would wait
+sets a flag, once the loop has asked for it (:meth:`StopSignal.agreed`, that is
+``job.should_stop()``); before that, and in a loop that never asks, it ends the
+process as it would without trainbridge. Ranks must agree on the step at which they stop, or one would wait
 in a collective for a peer that already left, so the flag is max-allreduced
 each step. The allreduce is asynchronous and its result is read one step later:
 no host sync, no extra Horovod cycle, and the run stops at most one step after
@@ -25,15 +27,21 @@ class StopSignal:
     def __init__(self, allreduce_async: Callable[[torch.Tensor, str, str], Callable[[], torch.Tensor]]) -> None:
         self.allreduce_async = allreduce_async
         self.received = False
+        self.asked = False  # the loop calls should_stop(): it will stop cleanly on the flag
         self.pending: Optional[Callable[[], torch.Tensor]] = None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
+        if not self.asked:  # nobody would read the flag: the signal's own default, death by SIGTERM
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.received = True
 
     def agreed(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (read one step late)."""
+        self.asked = True
         stop = self.drain()
         self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
         return stop

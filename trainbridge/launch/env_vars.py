@@ -10,13 +10,20 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from ..errors import UserError
 from .environment import LaunchEnv, read_int
 
 REQUIRED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
-    if not all(environ.get(name) for name in REQUIRED):
+    missing = [name for name in REQUIRED if not environ.get(name)]
+    if missing and (read_int(environ, "WORLD_SIZE", default=1) or 1) > 1:
+        # Half of the contract: each process would otherwise run alone and train its own model.
+        raise UserError(f"WORLD_SIZE={environ['WORLD_SIZE']} is set but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not: set all of {', '.join(REQUIRED)} for env:// "
+                        f"(or start with torchrun, mpirun, horovodrun or srun), or unset WORLD_SIZE for one process")
+    if missing:
         return None
     return LaunchEnv(
         launcher="env",

@@ -11,6 +11,8 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
+from ..errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchEnv:
@@ -32,11 +34,15 @@ class LaunchEnv:
 
 
 def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
-    """The first of ``names`` present in ``environ``, as an int."""
+    """The first of ``names`` present in ``environ``, as an int (one line if it is not one)."""
     for name in names:
         value = environ.get(name)
         if value not in (None, ""):
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                raise UserError(f"the environment variable {name}={value!r} is not a whole number; set it to "
+                                f"one (or unset it)") from None
     return default
 
 

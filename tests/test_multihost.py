@@ -206,7 +206,7 @@ def test_slurm_requeue_resumes_from_the_sigterm_checkpoint(hosts, slurm, tmp_pat
     job = submit(slurm, ["--output", str(log), "--chdir", str(ROOT), str(SLURM_SCRIPTS / "requeue.sbatch"), *args],
                  env=launcher_env(slurm_env(slurm)))
     deadline = time.monotonic() + RUN_TIMEOUT
-    while "epoch 1 step 63" not in (log.read_text() if log.exists() else ""):
+    while "epoch 1 step 62" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline, f"no progress in SLURM job {job}:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
     requeue = slurm.client(["scontrol", "requeue", str(job)], timeout=30)
@@ -224,13 +224,13 @@ def test_slurm_requeue_resumes_from_the_sigterm_checkpoint(hosts, slurm, tmp_pat
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         f"{fields}\n{output[-4000:]}"
     stopped = re.findall(r"stopped by SIGTERM after step (\d+)", output)
-    assert len(stopped) == 1 and 63 <= int(stopped[0]) < FAULT_STEPS, output[-4000:]
+    assert len(stopped) == 1 and 62 <= int(stopped[0]) < FAULT_STEPS, output[-4000:]
     assert f"resuming from {out}/last.pt" in output, output[-4000:]
     assert load_final(out)["step"] == FAULT_STEPS
 
 
 # ----- a host fails -------------------------------------------------------------------
-FAULT_STEPS = 126  # 2 epochs of 63 steps of 2 x 32 samples
+FAULT_STEPS = 124  # 2 epochs of 62 steps of 2 x 32 samples (4,000 // 64)
 FAULT_TIMEOUT = 20
 FAULT_RUN = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "5",
              "--batch-size", "32", "--epochs", "2", "--threads", "1", "--no-progress", "--checkpoint-every", "10",
@@ -247,7 +247,7 @@ def test_losing_a_host_ends_the_other_within_the_timeout_and_the_relaunch_resume
     survivor, lost = procs
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
-        while "epoch 1 step 63" not in survivor.output():
+        while "epoch 1 step 62" not in survivor.output():
             assert survivor.poll() is None and lost.poll() is None and time.monotonic() < deadline, \
                 "\n".join(p.describe() for p in procs)
             time.sleep(0.1)

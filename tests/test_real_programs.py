@@ -157,9 +157,9 @@ MISUSE_LAUNCHERS = {
 
 
 @pytest.mark.parametrize("launcher", list(MISUSE_LAUNCHERS))
-@pytest.mark.parametrize("mode", ["preview", "preview-found", "unused-found"])
-def test_a_rank_0_preview_with_gradients_and_unused_parameters_declared_just_work(launcher, mode):
-    result = check(run(MISUSE_LAUNCHERS[launcher](mode), timeout=120))
+def test_a_rank_0_forward_with_gradients_and_no_backward_just_works(launcher):
+    # (Declared unused parameters are covered by the "branch" program under every launcher.)
+    result = check(run(MISUSE_LAUNCHERS[launcher]("preview"), timeout=120))
     assert "finished" in result.stdout
 
 

@@ -6,8 +6,9 @@ resumes bitwise only if all of them continue where they stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import torch
 
@@ -17,12 +18,32 @@ except ImportError:  # torch runs without numpy; then there is no numpy stream t
     numpy = None
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and every GPU), Python's ``random`` and numpy's global generator with ``seed``."""
-    torch.manual_seed(seed)
+def seed_host(seed: int) -> None:
+    """Seed the host's generators with ``seed``: torch's CPU one, Python's ``random`` and numpy's global one."""
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
+
+
+def seed_everything(seed: int) -> None:
+    """:func:`seed_host`, and every GPU's generator."""
+    seed_host(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def host_streams_kept() -> Iterator[None]:
+    """Run the block, then put the host's generators back where they were (the GPUs' are left alone)."""
+    saved = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        if numpy is not None:
+            numpy.random.set_state(saved[2])
 
 
 def rng_state() -> Dict[str, Any]:

@@ -42,7 +42,7 @@ from ..launch.rendezvous import finalize_mpi
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
 from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
-from .loaders import EvalLoader, TrainLoader
+from .loaders import EvalLoader, TrainLoader, dataset_size
 from .stop import StopSignal, Watchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -271,9 +271,9 @@ class Job:
         the same samples per step under any world size. ``dataloader_options`` go
         to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
-        # Before the loader checks its arguments: a rank whose own check failed would leave the others waiting here.
+        # Before the loader checks its other arguments: a rank whose own check failed would leave the others waiting.
         self.backend.check_same_on_every_rank(
-            "train_loader", {"dataset size": _size(dataset), "seed": seed, "batch_size": batch_size},
+            "train_loader", {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed, "batch_size": batch_size},
             "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
             "manual_seed(...)) and pass the same seed and batch_size")
         return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
@@ -282,7 +282,7 @@ class Job:
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
         self.backend.check_same_on_every_rank(
-            "eval_loader", {"dataset size": _size(dataset)},
+            "eval_loader", {"dataset size": dataset_size(dataset, "eval_loader")},
             "every rank must hold the same evaluation set (seed a random_split with generator=...)")
         return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
                           before_fork=self._before_fork, **dataloader_options)
@@ -514,14 +514,6 @@ def exit_process(code: int) -> NoReturn:
     sys.stderr.flush()
     os._exit(code)
 
-
-
-def _size(dataset: Any) -> Optional[int]:
-    """len(dataset), or None for a dataset without one (the loader then refuses it in one line)."""
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def check_freezing_spelled_right(model: torch.nn.Module) -> None:

@@ -66,16 +66,21 @@ EVAL_REFUSALS = {
 }
 
 
-def _refuse(options: Dict[str, Any], refusals: Dict[str, str], what: str) -> None:
-    """One line for a DataLoader option that cannot apply to this loader, when it is built."""
+def _refuse(options: Dict[str, Any], refusals: Dict[str, str], what: str) -> Dict[str, Any]:
+    """One line for a DataLoader option that cannot apply to this loader; the options without the harmless rest.
+
+    A refusal ``name`` refuses any value but None; ``name=value`` only that value.
+    """
     for key, why in refusals.items():
         name, _, value = key.partition("=")
-        given = options.get(name)
+        given = options.pop(name, None)
         if given is not None and (not value or str(bool(given)) == value):
-            raise UserError(f"{what}: {name}={options[name]!r} cannot apply: {why}")
+            raise UserError(f"{what}: {name}={given!r} cannot apply: {why}")
+    return options
 
 
-def _check_dataset(dataset: Any, what: str) -> int:
+def dataset_size(dataset: Any, what: str) -> int:
+    """``len(dataset)``, or one line saying that ``what`` needs a map-style dataset."""
     try:
         return len(dataset)
     except TypeError:
@@ -102,10 +107,8 @@ class TrainLoader:
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
                  seed: int = 0, before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
-        size = _check_dataset(dataset, "train_loader")
-        _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
-        for accepted in ("drop_last", "sampler", "batch_sampler", "generator"):  # True / None: what happens anyway
-            dataloader_options.pop(accepted, None)
+        size = dataset_size(dataset, "train_loader")
+        dataloader_options = _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"train_loader: batch_size must be a whole number of at least 1 (got {batch_size!r})")
         if size == 0:
@@ -215,10 +218,8 @@ class EvalLoader:
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
                  before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
-        size = _check_dataset(dataset, "eval_loader")
-        _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
-        for accepted in ("drop_last", "shuffle", "sampler", "batch_sampler"):  # the harmless values that got past
-            dataloader_options.pop(accepted, None)
+        size = dataset_size(dataset, "eval_loader")
+        dataloader_options = _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"eval_loader: batch_size must be a whole number of at least 1 (got {batch_size!r})")
         self.device = device

@@ -77,10 +77,10 @@ class PreparedDDP(DistributedDataParallel):
             if "Expected to have finished reduction in the prior iteration" not in str(exc):
                 raise
             raise UserError(
-                "rank {}: the prepared model's previous forward pass never finished a backward pass: either it "
-                "ran on some ranks only or was not trained (a preview, a metric; run those under torch.no_grad() "
-                "or on job.unwrap(model)), or some parameters took no part in the loss (pass "
-                "find_unused_parameters=True to job.prepare)".format(dist.get_rank())) from None
+                f"rank {dist.get_rank()}: the prepared model's previous forward pass never finished a backward pass: "
+                f"either it ran on some ranks only or was not trained (a preview, a metric; run those under "
+                f"torch.no_grad() or on job.unwrap(model)), or some parameters took no part in the loss (pass "
+                f"find_unused_parameters=True to job.prepare)") from None
 
 
 class TorchBackend(Backend):

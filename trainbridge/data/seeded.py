@@ -11,21 +11,11 @@ dropout draws the same numbers whether data loads in workers or not).
 """
 from __future__ import annotations
 
-import random
 from typing import Any, List
 
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..random_state import numpy
-
-
-def seed_data_streams(seed: int) -> None:
-    """Seed the generators a dataset draws from on the host: torch's CPU one, ``random`` and numpy."""
-    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds every GPU's
-    random.seed(seed)
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
+from ..random_state import host_streams_kept, seed_host
 
 
 class SeededDataset(Dataset):
@@ -45,17 +35,11 @@ class SeededDataset(Dataset):
         if seed is None:
             return self._fetch(indices)
         if get_worker_info() is not None:  # a worker's generators serve only the data
-            seed_data_streams(seed)
+            seed_host(seed)
             return self._fetch(indices)
-        saved = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
-        seed_data_streams(seed)
-        try:
+        with host_streams_kept():  # the main process's streams are the training's (dropout)
+            seed_host(seed)
             return self._fetch(indices)
-        finally:
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            if numpy is not None:
-                numpy.random.set_state(saved[2])
 
     def _fetch(self, indices: List[int]) -> Any:
         getitems = getattr(self.dataset, "__getitems__", None)

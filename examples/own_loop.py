@@ -58,7 +58,8 @@ def main(args) -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = job.prepare(model, optimizer, amp=args.amp)
-    loader = job.train_loader(train_set, batch_size=args.global_batch // job.world_size, seed=0)
+    loader = job.train_loader(train_set, batch_size=args.global_batch // job.world_size, seed=0,
+                              num_workers=args.workers)
     total_steps = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
 
@@ -102,6 +103,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=0, help="also write last.pt every N steps")
     p.add_argument("--global-batch", type=int, default=60, help="samples per optimizer step over all ranks")
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--float64", action="store_true",
                    help="train in float64: world sizes then agree to rounding (float32 differs by ~1e-5 after "
                         "75 steps, from the order in which ranks sum gradients)")

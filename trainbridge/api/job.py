@@ -42,6 +42,7 @@ from ..launch.rendezvous import finalize_mpi
 from ..launch.environment import available_cores
 from ..launch.malloc_tuning import tune_malloc
 from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
+from .loader_workers import kill_workers
 from .loaders import EvalLoader, TrainLoader, dataset_size
 from .stop import StopSignal, Watchdog
 
@@ -78,7 +79,7 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     watchdog.expect(f"start of the job under {env.launcher} (world size {env.world_size}; check that every rank "
                     f"was started and that MASTER_PORT is not held by another program)", timeout + 5.0)
     chosen.init()
-    watchdog.disarm()  # until the loop's first step: data preparation may take long
+    watchdog.disarm()  # joined; from here on the job's calls arm it, each for its own wait
     # Again: torch's init_process_group wraps the hook with one that captures stderr.
     sys.excepthook = _excepthook
     job = _errors.job = Job(chosen, watchdog)
@@ -111,6 +112,11 @@ class Job:
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
         self._writer = BackgroundWriter()
         self._prepared: List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]] = []
+        self._steps = 0  # job.step calls in this process, for the watchdog's line
+
+    def _waiting(self, call: str):
+        """Bound a wait for the other ranks by the timeout; the watchdog's line names ``call`` and the step."""
+        return self.watchdog.waiting(f"{call} at this process's step {self._steps}")
 
     # ----- where this process is ------------------------------------------------
     @property
@@ -180,6 +186,13 @@ class Job:
             raise UserError("job.prepare: this model was already prepared; prepare each model once and keep using "
                             "the model it returned", quiet=not self.is_main)
         check_freezing_spelled_right(model)
+        with self._waiting("job.prepare"):
+            model, optimizer = self._prepare(model, optimizer, amp, exchange)
+        self._prepared.append((model, optimizer))
+        return model, optimizer
+
+    def _prepare(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], amp: str,
+                 exchange: GradientExchange):
         self.backend.check_same_on_every_rank(
             "the model's parameters", {n: tuple(p.shape) for n, p in model.named_parameters()},
             "build the same model on every rank")
@@ -201,9 +214,7 @@ class Job:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         if amp == "fp16" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
-        model, optimizer = self.backend.wrap(model.to(self.device), optimizer, exchange)
-        self._prepared.append((model, optimizer))
-        return model, optimizer
+        return self.backend.wrap(model.to(self.device), optimizer, exchange)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module, without the DDP wrapper (state_dict keys without "module.")."""
@@ -228,7 +239,8 @@ class Job:
 
         ``backward_options`` go to ``Tensor.backward`` (``retain_graph=True``, ...).
         """
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**backward_options)
+        with self._waiting("job.backward (the gradient average)"):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**backward_options)
 
     def clip_grad_norm_(self, model_or_parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (averaged) gradients to ``max_norm``; the total norm before clipping, the same on every rank.
@@ -247,9 +259,10 @@ class Job:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` (with fp16 amp: unscaled, skipped on inf/NaN), and tell the watchdog."""
-        self.backend.step(optimizer, self.scaler)
-        self.watchdog.beat()
+        """``optimizer.step()`` (with fp16 amp: unscaled, skipped on inf/NaN)."""
+        with self._waiting("job.step"):
+            self.backend.step(optimizer, self.scaler)
+        self._steps += 1
 
     def set_seed(self, seed: int, per_rank: bool = True) -> None:
         """Seed torch (CPU and CUDA), Python's ``random`` and numpy from ``seed``: ``seed + rank`` when ``per_rank``.
@@ -272,18 +285,21 @@ class Job:
         to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
         # Before the loader checks its other arguments: a rank whose own check failed would leave the others waiting.
-        self.backend.check_same_on_every_rank(
-            "train_loader", {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed, "batch_size": batch_size},
-            "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
-            "manual_seed(...)) and pass the same seed and batch_size")
+        with self._waiting("job.train_loader"):
+            self.backend.check_same_on_every_rank(
+                "train_loader", {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed,
+                                 "batch_size": batch_size},
+                "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
+                "manual_seed(...)) and pass the same seed and batch_size")
         return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
                            seed=seed, before_fork=self._before_fork, **dataloader_options)
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
-        self.backend.check_same_on_every_rank(
-            "eval_loader", {"dataset size": dataset_size(dataset, "eval_loader")},
-            "every rank must hold the same evaluation set (seed a random_split with generator=...)")
+        with self._waiting("job.eval_loader"):
+            self.backend.check_same_on_every_rank(
+                "eval_loader", {"dataset size": dataset_size(dataset, "eval_loader")},
+                "every rank must hold the same evaluation set (seed a random_split with generator=...)")
         return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
                           before_fork=self._before_fork, **dataloader_options)
 
@@ -298,34 +314,40 @@ class Job:
         """``tensor`` reduced over ranks with op "sum", "mean" or "max"; a new tensor."""
         if op not in ("sum", "mean", "max"):
             raise UserError(f"allreduce op {op!r} is not supported; use sum, mean or max")
-        # A dtype or shape that differs between ranks gives garbage or aborts inside gloo: say so first.
-        self.backend.check_same_on_every_rank("job.allreduce's tensor",
-                                              {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
-                                              "reduce a tensor of the same dtype and shape on every rank")
-        return self.backend.allreduce(tensor, op)
+        with self._waiting("job.allreduce"):
+            # A dtype or shape that differs between ranks gives garbage or aborts inside gloo: say so first.
+            self.backend.check_same_on_every_rank("job.allreduce's tensor",
+                                                  {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
+                                                  "reduce a tensor of the same dtype and shape on every rank")
+            return self.backend.allreduce(tensor, op)
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's tensor (shapes may differ), in rank order, on this rank's device."""
-        return [t.to(tensor.device) for t in self.backend.allgather_object(tensor.detach().cpu())]
+        with self._waiting("job.allgather"):
+            return [t.to(tensor.device) for t in self.backend.allgather_object(tensor.detach().cpu())]
 
     def allgather_object(self, obj: Any) -> List[Any]:
         """Every rank's picklable ``obj``, in rank order."""
-        return self.backend.allgather_object(obj)
+        with self._waiting("job.allgather_object"):
+            return self.backend.allgather_object(obj)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank."""
-        return self.backend.broadcast_object(obj, src)
+        with self._waiting("job.broadcast"):
+            return self.backend.broadcast_object(obj, src)
 
     def barrier(self) -> None:
         """Wait until every rank has reached this call."""
-        self.backend.barrier()
+        with self._waiting("job.barrier"):
+            self.backend.barrier()
 
     def sync_buffers(self, model: torch.nn.Module) -> None:
         """Give every rank rank 0's buffers (BatchNorm running statistics) before evaluating or saving.
 
         Each rank updates its buffers from its own batches, so after training they differ.
         """
-        self.backend.sync_buffers(self.unwrap(model))
+        with self._waiting("job.sync_buffers"):
+            self.backend.sync_buffers(self.unwrap(model))
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
@@ -340,16 +362,20 @@ class Job:
         The answer is one step late (the agreement runs in the background), so a
         preempted loop saves a checkpoint and leaves at most one step after the signal.
         """
-        self.watchdog.beat()
-        return self._stop.agreed()
+        with self._waiting("job.should_stop (the stop agreement)"):
+            return self._stop.agreed()
 
     def drain_stop(self) -> bool:
         """Finish the agreement in flight (before a collective of another kind, e.g. evaluation)."""
-        return self._stop.drain()
+        with self._waiting("job.drain_stop (the stop agreement)"):
+            return self._stop.drain()
 
     def heartbeat(self) -> None:
-        """Tell the watchdog this rank makes progress (``step`` and ``should_stop`` do it for you)."""
-        self.watchdog.beat()
+        """Nothing to do: the watchdog bounds waits for the other ranks, never this rank's own work.
+
+        Kept so that loops written for trainbridge 0.x, which had to call it during
+        long phases, still run.
+        """
 
     # ----- in-job recovery (Horovod elastic) -------------------------------------
     def run_resilient(self, train_fn: Callable[[], T], state: Any) -> T:
@@ -365,11 +391,13 @@ class Job:
 
     def commit(self, state: Any) -> None:
         """Mark ``state`` as the point to roll back to after a failure (elastic only; else a no-op)."""
-        self.backend.commit(state)
+        with self._waiting("job.commit"):
+            self.backend.commit(state)
 
     def decide_on_main(self, decide: Callable[[], T]) -> T:
         """Run ``decide()`` on the main rank and give its result to every rank."""
-        return self.backend.decide_on_main(decide)
+        with self._waiting("job.decide_on_main"):
+            return self.backend.decide_on_main(decide)
 
     # ----- checkpoints ----------------------------------------------------------
     def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None,
@@ -402,7 +430,8 @@ class Job:
                             quiet=not self.is_main)
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
-        rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
+        with self._waiting(f"job.save({path!r})"):
+            rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
         state[RNG_KEY] = {"world_size": self.world_size, **{kind: [r[kind] for r in rngs] for kind in rngs[0]}}
         paths = [path, *copies]
         if self.is_main and background:
@@ -412,13 +441,15 @@ class Job:
             self._writer.wait()  # writes land in order
             save_all(state, paths, keep_previous=keep_previous)
         if not background:
-            self.backend.barrier()  # the file is complete before any rank may read it
+            with self._waiting(f"job.save({path!r})"):
+                self.backend.barrier()  # the file is complete before any rank may read it
 
     def wait_for_saves(self) -> None:
         """Every rank calls it: the main rank's background write is on disk before anyone goes on."""
         if self.is_main:
             self._writer.wait()
-        self.backend.barrier()
+        with self._waiting("job.wait_for_saves"):
+            self.backend.barrier()
 
     def _state_of(self, value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
@@ -478,8 +509,11 @@ class Job:
             report_error(str(exc))  # on the way out of another failure: said, not raised over it
         finally:
             if clean:
-                self.drain_stop()
-            self.backend.shutdown(clean=clean)
+                with self._waiting("job.shutdown"):
+                    self.drain_stop()
+                    self.backend.shutdown(clean=clean)
+            else:
+                self.backend.shutdown(clean=clean)
         _errors.job = None
 
     def exit(self, code: int = 0) -> NoReturn:
@@ -508,6 +542,7 @@ def exit_process(code: int) -> NoReturn:
     then reports it as failed, as it should.
     """
     gc.collect()
+    kill_workers()  # live loaders' workers, as Python's own exit would terminate them
     if code == 0:
         finalize_mpi()
     sys.stdout.flush()
@@ -555,6 +590,8 @@ def report_failure(exc: BaseException) -> Optional[int]:
     message = _errors.job.backend.describe_failure(exc) if _errors.job is not None else None
     if message is None:
         return None
+    if _errors.job.watchdog.failed_in is not None:  # so that ranks in different calls read as a mismatch
+        message = f"{message} (this rank waited in {_errors.job.watchdog.failed_in})"
     # A peer's failure is the consequence of another rank's: let that rank's own line
     # reach the launcher's summary first (torchrun names the earliest error as the cause).
     _leave_on_sigterm()
@@ -585,6 +622,7 @@ def _excepthook(exc_type, exc, tb) -> None:
         return
     if _errors.job is not None:
         _errors.job.backend.shutdown(clean=False)
+    kill_workers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # the collective library's threads must not hold the process open

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ..data.sampler import TrainBatches, mix_seed, steps_in_pass
 from ..data.seeded import SeededDataset
 from ..errors import UserError
+from .loader_workers import with_worker_setup
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -121,6 +122,7 @@ class TrainLoader:
         self.world_size, self.rank = world_size, rank
         self.batches = TrainBatches(size, batch_size, rank, world_size, seed)
         self.options = _loader_options(dataset, device, dict(dataloader_options))
+        self._worker_setup = with_worker_setup(self.options)
         # The loader owns its random streams: the DataLoader's base seed for its
         # workers comes from this generator, not from the global one that dropout
         # draws from (iter() would otherwise draw once more in a resumed run).
@@ -171,6 +173,7 @@ class TrainLoader:
         if self._loader.num_workers and (not self._loader.persistent_workers
                                          or getattr(self._loader, "_iterator", None) is None):
             self.before_fork()  # the workers are forked now
+            self._worker_setup.before_fork()
         return self._pass(token, iter(self._loader))
 
     def _pass(self, token: object, batches: Iterator[Any]) -> Iterator[Any]:
@@ -226,6 +229,7 @@ class EvalLoader:
         shard = Subset(dataset, range(rank, size, world_size))
         options = _loader_options(dataset, device, dict(dataloader_options))
         options.pop("persistent_workers", None)
+        self._worker_setup = with_worker_setup(options)
         self.loader = DataLoader(shard, batch_size=batch_size, shuffle=False, **options)
 
     def __len__(self) -> int:
@@ -235,4 +239,5 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.loader.num_workers:
             self.before_fork()  # every pass forks its workers
+            self._worker_setup.before_fork()
         return (to_device(batch, self.device) for batch in self.loader)

@@ -1,4 +1,4 @@
-"""Stopping together: the SIGTERM agreement and the no-progress watchdog.
+"""Stopping together: the SIGTERM agreement, and the watchdog on waits for the other ranks.
 
 SIGTERM, as sent by SLURM before a time limit or by Kubernetes before eviction,
 sets a flag, once the loop has asked for it (:meth:`StopSignal.agreed`, that is
@@ -11,14 +11,17 @@ the signal.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+
+from .loader_workers import kill_workers
 
 WATCHDOG_EXIT_CODE = 124
 
@@ -29,6 +32,7 @@ class StopSignal:
         self.received = False
         self.asked = False  # the loop calls should_stop(): it will stop cleanly on the flag
         self.pending: Optional[Callable[[], torch.Tensor]] = None
+        self.stopping = False  # every rank has read a "stop" from the agreement
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -42,59 +46,73 @@ class StopSignal:
     def agreed(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (read one step late)."""
         self.asked = True
-        stop = self.drain()
+        if self.drain() or self.stopping:  # once agreed, on every rank: a loop that missed it stops now
+            return True
         self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
-        return stop
+        return False
 
     def drain(self) -> bool:
         """Finish the allreduce in flight; whether it said stop."""
-        stop = False
         if self.pending is not None:
-            stop = bool(self.pending()[0] > 0)
+            self.stopping = self.stopping or bool(self.pending()[0] > 0)
             self.pending = None
-        return stop
+        return self.stopping
 
 
 class Watchdog:
-    """Ends this rank when training makes no progress for ``timeout`` seconds.
+    """Ends this rank when one wait for the other ranks lasts longer than ``timeout`` seconds.
 
-    Collective timeouts do not cover every stall: with Horovod's MPI controller,
-    a frozen peer (e.g. SIGSTOP, a hung GPU) blocks the negotiation itself, and
-    the stall check never runs; a TCP handshake with a program that is not the
-    rendezvous store can wait for ever. The loop calls :meth:`beat` after each step
-    and evaluation batch, and :func:`trainbridge.init` arms it around start-up; a
-    daemon thread exits the process with one clear line when the beats stop, so
-    the launcher can tear the job down.
+    Collective timeouts do not cover every wait: with Horovod's MPI controller, a
+    frozen peer (e.g. SIGSTOP, a hung GPU) blocks the negotiation itself, and the
+    stall check never runs; a TCP handshake with a program that is not the
+    rendezvous store can wait for ever. So the job marks every call that waits for
+    the other ranks (:meth:`waiting`: its collectives, the gradient averaging of
+    ``job.backward``, saves and loads, the stop agreement), and ``tb.init`` marks
+    joining the job. A daemon thread ends the process with one line naming the call
+    when one lasts too long, so the launcher can tear the job down; the ranks'
+    lines side by side then show a rank that died (no line) or ranks that wait in
+    different calls (a mismatch). The time between waits is this rank's own work
+    (a long evaluation, data preparation) and is never cut short.
     """
 
     def __init__(self, timeout: float, rank: int) -> None:
         self.timeout, self.rank = timeout, rank
         self.limit = timeout
-        self.waiting = "training progress"
-        self.last = time.monotonic()
-        self.armed = False
+        self.since = time.monotonic()
+        self.what: Optional[str] = None  # the wait in progress
+        self.failed_in: Optional[str] = None  # the wait an exception (a collective's own timeout) ended
         threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
 
-    def beat(self) -> None:
-        self.last = time.monotonic()
-        self.limit, self.waiting = self.timeout, "training progress"
-        self.armed = True
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Bound the block, a wait for the other ranks described by ``what``, by ``timeout``."""
+        if self.what is not None:  # inside another wait (a save's barrier): the outer one names it
+            yield
+            return
+        self.expect(what, self.timeout)
+        try:
+            yield
+        except BaseException:
+            self.failed_in = what
+            raise
+        finally:
+            self.what = None
 
-    def expect(self, waiting: str, seconds: float) -> None:
-        """Arm for one wait that must end within ``seconds`` (e.g. joining the job)."""
-        self.waiting, self.limit = waiting, seconds
-        self.last = time.monotonic()
-        self.armed = True
+    def expect(self, what: str, seconds: float) -> None:
+        """Arm for one wait that must end within ``seconds`` (e.g. joining the job), until :meth:`disarm`."""
+        self.limit, self.since = seconds, time.monotonic()
+        self.what = what
 
     def disarm(self) -> None:
-        self.armed = False
+        self.what = None
 
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout / 10))
-            idle = time.monotonic() - self.last
-            if self.armed and idle > self.limit:
-                print(f"trainbridge: error: rank {self.rank}: no {self.waiting} for {idle:.0f}s "
-                      f"(--timeout {self.timeout:.0f}); another rank probably died or stalled: see its log",
-                      file=sys.stderr, flush=True)
+            what, waited = self.what, time.monotonic() - self.since
+            if what is not None and waited > self.limit:
+                print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for the other ranks "
+                      f"(timeout {self.timeout:g}s): a rank died or stalled, or the ranks called different "
+                      f"operations; compare with the other ranks' lines", file=sys.stderr, flush=True)
+                kill_workers()  # a stuck DataLoader worker would keep the launcher's output open
                 os._exit(WATCHDOG_EXIT_CODE)

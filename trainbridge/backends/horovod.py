@@ -101,8 +101,8 @@ class HorovodBackend(Backend):
         from horovod.common.exceptions import HorovodInternalError
 
         if isinstance(exc, HorovodInternalError) or "Horovod has been shut down" in str(exc):
-            return (f"rank {self.rank}: Horovod failed ({first_line(exc)}); another rank died or stalled for "
-                    f"--timeout {self.timeout:.0f}s: see its log")
+            return (f"rank {self.rank}: Horovod failed ({first_line(exc)}); another rank died, stalled or called "
+                    f"a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines")
         return None
 
     def shutdown(self, clean: bool = True) -> None:

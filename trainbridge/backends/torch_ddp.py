@@ -103,8 +103,8 @@ class TorchBackend(Backend):
                         "nccl", "gloo", "pair closure")
         if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
                                                and any(m in text.lower() for m in peer_markers)):
-            return (f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died or stopped "
-                    f"responding within --timeout {self.timeout:.0f}s: see its log")
+            return (f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died, stalled or "
+                    f"called a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines")
         return None
 
     def shutdown(self, clean: bool = True) -> None:

@@ -1,0 +1,106 @@
+"""The watchdog bounds waits for the other ranks, never a rank's own work; signals reach DataLoader loops.
+
+Real torchrun (and plain python) runs of tests/api_scripts/waits.py, whose job timeout
+is 3 s, and of examples/own_loop.py with DataLoader workers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from conftest import PYTHON, TORCHRUN, Job, run
+
+ROOT = Path(__file__).resolve().parent.parent
+WAITS = str(ROOT / "tests" / "api_scripts" / "waits.py")
+OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
+
+
+def waits(mode: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return run([TORCHRUN, "--standalone", "--nproc-per-node=2", WAITS, mode, str(tmp_path)], timeout=timeout)
+
+
+def error_lines(result: subprocess.CompletedProcess) -> dict:
+    """rank -> its one error line (a rank may also have been stopped by the launcher before writing one)."""
+    lines = re.findall(r"^trainbridge: error: rank (\d): (.*)$", result.stderr, re.MULTILINE)
+    return {int(rank): text for rank, text in lines}
+
+
+def test_a_long_phase_without_collectives_is_not_cut_short(tmp_path):
+    # Every rank computes 8 s (a long evaluation) with timeout 3 s. Before: the watchdog ended
+    # every rank after 3 s with "another rank probably died or stalled", exit 124.
+    result = waits("long_local_work", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished: 2" in result.stdout and "trainbridge: error" not in result.stderr
+
+
+def test_a_stall_is_named_by_the_call_the_waiting_rank_is_in(tmp_path):
+    # Rank 1 computes for 60 s while rank 0 waits in job.barrier. Before: both ranks' watchdogs
+    # fired (rank 1 too, in its own work) and neither said where it waited.
+    started = time.monotonic()
+    result = waits("stall", tmp_path)
+    assert result.returncode != 0 and time.monotonic() - started < 45, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert set(lines) == {0}, result.stderr[-3000:]  # rank 1 was working, not waiting: no line of its own
+    assert "in job.barrier at this process's step 2" in lines[0], lines[0]
+
+
+def test_ranks_in_different_calls_read_as_a_mismatch(tmp_path):
+    # A rank-0-only job.save (its collectives) against rank 1's job.barrier: each rank's line
+    # names its own call, so the two lines side by side show the mismatch.
+    result = waits("mismatch", tmp_path)
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert lines, result.stderr[-3000:]
+    expected = {0: "in job.save(", 1: "in job.barrier at this process's step 2"}
+    for rank, line in lines.items():
+        assert expected[rank] in line, line
+    assert not (tmp_path / "rank0.pt").exists()  # the file is written only once every rank has its state
+
+
+def test_a_rank_ended_by_a_failure_leaves_no_dataloader_worker_behind(tmp_path):
+    # Workers stuck in __getitem__ (prefetching) while their rank fails. Before: they survived
+    # their rank, kept the launcher's output pipe open, and the job never ended (a CI hang).
+    result = waits("stuck_worker", tmp_path, timeout=90)
+    assert result.returncode != 0 and "worker" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "in job.barrier" in error_lines(result).get(0, ""), result.stderr[-3000:]
+    left = [p for p in psutil.process_iter(["cmdline"]) if WAITS in (p.info["cmdline"] or [])]
+    assert not left, [p.pid for p in left]
+
+
+def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_path):
+    # SLURM and Kubernetes signal every process, DataLoader workers included. Before: the
+    # workers died and the loop raised "DataLoader worker (pid N) is killed by signal:
+    # Terminated": no stop checkpoint, exit 1.
+    job = Job([PYTHON, OWN_LOOP, "--epochs", "12", "--workers", "2", "--output-dir", str(tmp_path)],
+              tmp_path / "log")
+    job.wait_for_output("epoch 1 step 25", timeout=120)
+    workers = psutil.Process(job.proc.pid).children()
+    assert len(workers) == 2, job.output()[-3000:]
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code = job.wait(timeout=60)
+    log = job.output()
+    assert code == 143 and "killed by signal" not in log, log[-3000:]
+    assert re.search(r"stopped by SIGTERM after step \d+", log), log[-3000:]
+    assert (tmp_path / "last.pt").exists() and not (tmp_path / "final.pt").exists()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+def test_a_stop_agreed_at_an_epoch_end_is_not_lost():
+    # The loop drains the agreement before evaluating (job.drain_stop) and ignores the answer,
+    # as examples/own_loop.py did. Before: the next should_stop() started a new agreement and
+    # said False, so the stop came an epoch late, or never after the last epoch.
+    from trainbridge.api.stop import StopSignal
+
+    stop = StopSignal(lambda tensor, op, name: (lambda: tensor))  # one rank: the agreement is its own flag
+    stop.asked = True
+    assert stop.agreed() is False
+    stop.received = True  # SIGTERM during the epoch's last step
+    assert stop.agreed() is False  # read one step late
+    assert stop.drain() is True  # the epoch end drains it
+    assert stop.agreed() is True and stop.drain() is True

@@ -1,0 +1,73 @@
+"""DataLoader workers that leave stopping to their rank, and never outlive it.
+
+SLURM, Kubernetes and torchrun signal every process of a job (the process group,
+or each process of a step), DataLoader workers included. torch's worker handler
+dies by a SIGTERM from anyone but its parent, and the rank's loader then raises
+"DataLoader worker (pid N) is killed by signal: Terminated" before the rank could
+agree on a stop step and save. So workers ignore SIGTERM: their rank receives it
+too, stops at an agreed step and shuts its workers down.
+
+A worker must also not outlive its rank: one stuck in a lock keeps the launcher's
+output pipe open, and the job never ends. Workers forked by the main thread get
+SIGKILL when their rank dies (``PR_SET_PDEATHSIG``; the kernel ties it to the
+forking thread, so not for loaders iterated on other threads), and a rank that
+ends itself abnormally (the watchdog, a failure) kills its workers first
+(:func:`kill_workers`).
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, Dict, Optional
+
+PR_SET_PDEATHSIG = 1
+
+
+class WorkerSetup:
+    """A ``worker_init_fn``: the signal set-up above, then the user's own ``worker_init_fn``."""
+
+    def __init__(self, user_init: Optional[Callable[[int], None]] = None) -> None:
+        self.user_init = user_init
+        self.die_with_parent = False
+
+    def before_fork(self) -> None:
+        """Called by the loader just before it forks its workers, in the thread that forks them."""
+        self.die_with_parent = threading.current_thread() is threading.main_thread()
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.die_with_parent and sys.platform.startswith("linux"):
+            parent = os.getppid()
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # the rank died before the line above
+                os._exit(1)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
+def with_worker_setup(options: Dict[str, Any]) -> Optional[WorkerSetup]:
+    """Put a :class:`WorkerSetup` in the DataLoader ``options`` when they start workers; it, or None."""
+    if options.get("num_workers", 0) <= 0:
+        return None
+    setup = WorkerSetup(options.get("worker_init_fn"))
+    options["worker_init_fn"] = setup
+    return setup
+
+
+def kill_workers() -> None:
+    """SIGKILL this process's daemonic children (DataLoader workers) as it leaves, as Python's exit would end them."""
+    try:
+        children = multiprocessing.active_children()
+    except Exception:  # noqa: BLE001 - on the way out: never raise over the failure being reported
+        return
+    for child in children:
+        if not child.daemon:
+            continue
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except (OSError, TypeError):
+            pass

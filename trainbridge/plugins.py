@@ -11,9 +11,12 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from typing import Any, Mapping
 
 from .errors import UserError, first_line
+
+IMPORTLIB = os.path.dirname(importlib.__file__)  # its frames sit between the import and the user's file
 
 
 def resolve(spec: str, registry: Mapping[str, str], kind: str) -> Any:
@@ -34,8 +37,12 @@ def _import(module_name: str, kind: str):
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError(f"{kind} module {module_name!r} cannot be imported ({first_line(exc)}); "
-                        f"install it or put it on PYTHONPATH, or give a file as ./file.py:Name") from None
+        if module_name == exc.name or module_name.startswith(f"{exc.name}."):  # the module itself is missing
+            raise UserError(f"{kind} module {module_name!r} cannot be imported ({first_line(exc)}); "
+                            f"install it or put it on PYTHONPATH, or give a file as ./file.py:Name") from None
+        raise import_failure(kind, module_name, exc) from None
+    except (Exception, SystemExit) as exc:
+        raise import_failure(kind, module_name, exc) from None
 
 
 def _load_file(path: str, kind: str):
@@ -47,5 +54,38 @@ def _load_file(path: str, kind: str):
     spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec: pickling (spawned workers) and dataclasses look it up
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # SystemExit: a script's sys.exit() must not end the run as a success
+        del sys.modules[name]
+        raise import_failure(kind, os.path.abspath(path), exc) from None
     return module
+
+
+def import_failure(kind: str, source: str, exc: BaseException) -> UserError:
+    """One line for a user's module that failed while it was imported: where, what, and how to fix it.
+
+    ``source`` is what the command line named: a file's path or a module's name. The
+    line named is the imported file's last one that the failure passed through; the
+    whole traceback is one ``python FILE`` (or ``python -c "import MODULE"``) away.
+    """
+    if isinstance(exc, SyntaxError):
+        return UserError(f"{kind} file {exc.filename}, line {exc.lineno}: syntax error ({exc.msg}); correct it "
+                         f"(python -m py_compile {exc.filename} shows the spot)")
+    # The user's frames start with the imported file; its last line there is where it went wrong.
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename != __file__ and not f.filename.startswith(("<frozen importlib", IMPORTLIB))]
+    own = [f for f in frames if f.filename == frames[0].filename] if frames else []
+    place = f"{own[-1].filename}, line {own[-1].lineno}" if own else source
+    if isinstance(exc, SystemExit):
+        return UserError(f"{kind} file {place}: calls sys.exit({exc.code!r}) while being imported, so nothing "
+                         f"would be trained; put script code under if __name__ == '__main__':")
+    rerun = f"python {source}" if source.endswith(".py") else f'python -c "import {source}"'
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return UserError(f"{kind} file {place}: {first_line(exc)}; install the package that provides {exc.name!r} "
+                         f"into this Python ({sys.executable}), or remove the import")
+    if isinstance(exc, ImportError):
+        return UserError(f"{kind} file {place}: {first_line(exc)}; check the import against the installed "
+                         f"version ({rerun} shows the traceback)")
+    return UserError(f"{kind} file {place}: importing it raised {type(exc).__name__}: {first_line(exc)}; "
+                     f"fix the file ({rerun} shows the traceback)")

@@ -19,6 +19,10 @@ def create_task(spec: str) -> Task:
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"task {spec!r} is not a subclass of trainbridge.Task; derive it from trainbridge.Task "
                         f"(see the README's Task section)")
+    missing = sorted(cls.__abstractmethods__)
+    if missing:
+        raise UserError(f"task {spec!r}: {cls.__name__} does not define {', '.join(missing)}; define them in the class "
+                        f"(every task defines {', '.join(sorted(Task.__abstractmethods__))})")
     return cls()
 
 

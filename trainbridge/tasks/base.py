@@ -86,7 +86,7 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def eval_dataset(self, split: str) -> Optional[Dataset]:
-        """The map-style ``split`` ("val" or "test"), or None when it does not exist."""
+        """The map-style ``split`` ("val" or "test"), or None when it does not exist (no "val": no evaluation)."""
 
     def loader_options(self, split: str) -> Dict[str, Any]:
         """Extra ``DataLoader`` options for ``split`` ("train", "val", "test"): num_workers, collate_fn, ..."""
@@ -102,9 +102,10 @@ class Task(abc.ABC):
         return torch.nn.functional.cross_entropy(outputs, targets, reduction=reduction)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Per-batch *sums* of each metric; the loop adds them over batches and ranks and divides by the
-        sample count, so ``{"accuracy": correct}`` is reported as ``val_accuracy``. With a
-        ``val_accuracy``, best.pt is the most accurate model; otherwise the lowest ``val_loss``."""
+        """Per-batch *sums* of each metric, each one number (a one-element tensor or a Python number); the loop
+        adds them over batches and ranks and divides by the sample count, so ``{"accuracy": correct}`` is
+        reported as ``val_accuracy``. With a ``val_accuracy``, best.pt is the most accurate model; otherwise
+        the lowest ``val_loss``."""
         return {"accuracy": (outputs.argmax(dim=1) == targets).sum()}
 
     def trainable_parameters(self, model: torch.nn.Module) -> List[torch.nn.Parameter]:

@@ -274,10 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
+    """The command line as a config. A --task that cannot be loaded is left for :meth:`TrainConfig.validate`
+    to report, on every rank, where only rank 0 speaks; its own options are then unknown and left unparsed."""
     # Two passes: --task names the task, whose own options join the parser before the full parse.
     parser = build_parser()
     known, _ = parser.parse_known_args(argv)
-    task_class = type(create_task(known.task))
+    try:
+        task_class = type(create_task(known.task))
+    except UserError:
+        return TrainConfig(**vars(known))
     group = parser.add_argument_group(f"options of --task {known.task}")
     before = {a.dest for a in parser._actions}
     task_class.add_arguments(group)

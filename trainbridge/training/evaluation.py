@@ -17,10 +17,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..api import Job
+from ..api import EvalLoader, Job
+from ..errors import UserError
 from ..tasks import Task
+from ..tasks.checks import check_loss, metric_sums
 
 EVAL_SPLITS = ("val", "test")
+# The first-batch check loads in this process: no worker processes for two samples.
+WORKER_OPTIONS = ("num_workers", "prefetch_factor", "persistent_workers", "multiprocessing_context")
 
 
 @torch.no_grad()
@@ -28,20 +32,25 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_siz
     """Exact loss and the task's metrics over the whole split, whatever the world size.
 
     ``<split>_samples`` is how many samples were scored: the split's size, each counted once.
+    A task without the split (``eval_dataset`` returns None) gets no scores: ``{}``.
 
     ``model`` must be the unwrapped module: a forward pass of the DDP wrapper
     may run collectives (buffer broadcasts, when enabled), which hang when ranks
     have different numbers of evaluation batches.
     """
+    dataset = task.eval_dataset(split)
+    if dataset is None:
+        return {}
     was_training = model.training
     model.eval()
     sums: Dict[str, torch.Tensor] = {}
     count = 0
-    for inputs, targets in job.eval_loader(task.eval_dataset(split), batch_size, **task.loader_options(split)):
+    for inputs, targets in job.eval_loader(dataset, batch_size, **task.loader_options(split)):
         outputs = model(inputs)
-        batch = {"loss": task.loss(outputs, targets, reduction="sum"), **task.metrics(outputs, targets)}
+        batch = {"loss": task.loss(outputs, targets, reduction="sum").detach().double(),
+                 **metric_sums(task, task.metrics(outputs, targets), quiet=not job.is_main)}
         for name, value in batch.items():
-            sums[name] = sums.get(name, 0) + value.detach().double()
+            sums[name] = sums.get(name, 0) + value
         count += len(targets)
         job.heartbeat()
     model.train(was_training)
@@ -53,6 +62,30 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_siz
     *totals, total_count = job.allreduce(local, "sum").tolist()
     return {**{f"{split}_{name}": value / total_count for name, value in zip(names, totals)},
             f"{split}_samples": int(total_count)}
+
+
+@torch.no_grad()
+def check_first_batch(model: torch.nn.Module, task: Task, job: Job, batch_size: int) -> None:
+    """Before any step: the evaluation loss and metrics of the validation split's first two samples are numbers.
+
+    A task whose metrics could not be summed would otherwise fail after its first
+    epoch of training. Every rank checks the same samples alike; rank 0 says why.
+    """
+    dataset = task.eval_dataset("val")
+    if dataset is None:
+        return
+    options = {k: v for k, v in task.loader_options("val").items() if k not in WORKER_OPTIONS}
+    try:
+        loader = EvalLoader(dataset, min(batch_size, 2), rank=0, world_size=1, device=job.device, **options)
+    except UserError as exc:  # not a map-style dataset, or options no loader takes: the same on every rank
+        raise UserError(f"{type(task).__name__}.eval_dataset('val'): {exc}", quiet=not job.is_main) from None
+    inputs, targets = next(iter(loader))
+    was_training = model.training
+    model.eval()
+    outputs = model(inputs)
+    check_loss(task, task.loss(outputs, targets, reduction="sum"), "sum", quiet=not job.is_main)
+    metric_sums(task, task.metrics(outputs, targets), quiet=not job.is_main)
+    model.train(was_training)
 
 
 def confusion_matrix(labels: torch.Tensor, predictions: torch.Tensor, num_classes: int) -> torch.Tensor:

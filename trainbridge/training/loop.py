@@ -24,10 +24,11 @@ import torch
 from ..api import Job
 from ..errors import UserError
 from ..tasks import Task, create_task
+from ..tasks.checks import check_model, check_splits
 from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
                          set_aside_previous_run)
 from .config import TrainConfig, changed_options
-from .evaluation import evaluate, report_model
+from .evaluation import check_first_batch, evaluate, report_model
 from .fault_tolerance import Divergence, Preempted, maybe_fail
 from .metrics import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .optimizers import fused_kernels, load_keeping_kernels
@@ -132,6 +133,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     with job.main_first():  # a download happens once, on the main rank
         task.fetch(cfg, note=job.print)
     source = task.prepare(cfg, note=job.print)  # every rank at once: loading is not serialised
+    check_splits(task, cfg.scheduler, quiet=not job.is_main)  # an empty validation split ends here, not after an epoch
     job.print(f"[trainbridge] {source}; backend={job.backend_name} world_size={job.world_size} "
               f"launcher={job.launcher} device={job.device}")
 
@@ -140,7 +142,8 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         job.print(warning)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     layout = memory_format(cfg.channels_last, job.device)
-    model = task.build_model(cfg).to(job.device, memory_format=layout)
+    model = check_model(task, task.build_model(cfg), quiet=not job.is_main).to(job.device, memory_format=layout)
+    check_first_batch(model, task, job, cfg.batch_size)  # metrics that cannot be summed end here, not after an epoch
     optimizer = build_optimizer(cfg, task.trainable_parameters(model), job.world_size)
     checkpoint = find_checkpoint(cfg, job)
     progress_ = Progress()
@@ -274,7 +277,7 @@ class Run:
             state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
         # Each rank's learning rate for the next epoch; fails loudly if any rank disagrees.
         row["next_lr_per_rank"] = learning_rates_per_rank(state.optimizer, job)
-        improved = p.improves(row.get("val_accuracy"), row["val_loss"])
+        improved = "val_loss" in row and p.improves(row.get("val_accuracy"), row["val_loss"])  # none without a val split
         if improved:
             p.best_accuracy, p.best_loss, p.best_epoch = row.get("val_accuracy"), row["val_loss"], row["epoch"]
         save_checkpoint(cfg, job, state, best=improved)
@@ -292,8 +295,8 @@ class Run:
         job.save({"model": job.unwrap(self.model).state_dict(), "step": p.step, "epoch": row["epoch"],
                   "backend": job.backend_name, "world_size": job.world_size, "config": cfg.saved()},
                  os.path.join(cfg.output_dir, "final.pt"))
-        score = (f"val_accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final
-                 else f"val_loss {final['val_loss']:.4f}")
+        score = next((f"{k} {final[k]:.4f}" for k in ("val_accuracy", "val_loss", "train_loss") if k in final),
+                     "no validation split")
         job.print(f"[trainbridge] done: {score} after {p.step} steps in {final['seconds']:.1f}s; "
                   f"wrote {cfg.output_dir}/final.pt")
 

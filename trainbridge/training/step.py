@@ -14,6 +14,7 @@ import torch
 
 from ..api import Job
 from ..tasks import Task
+from ..tasks.checks import check_loss
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
@@ -61,6 +62,7 @@ class TrainStep:
             with self.job.no_sync(self.model, enabled=i < len(micro) - 1):
                 with self.job.autocast():
                     loss = self.task.loss(self.forward(x), y)
+                check_loss(self.task, loss, "mean", quiet=not self.job.is_main)  # backward needs one number
                 if len(micro) > 1:
                     # Weighted by size, the micro-batch losses sum to the mean over
                     # the whole batch: K micro-batches of B match one batch of K*B.

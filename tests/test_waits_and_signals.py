@@ -104,3 +104,30 @@ def test_a_stop_agreed_at_an_epoch_end_is_not_lost():
     assert stop.agreed() is False  # read one step late
     assert stop.drain() is True  # the epoch end drains it
     assert stop.agreed() is True and stop.drain() is True
+
+
+def test_ctrl_c_under_tb_spawn_stops_the_workers_in_order(tmp_path):
+    # Ctrl-C: SIGINT to the terminal's whole process group. Before: a KeyboardInterrupt traceback
+    # from the parent and from every worker, interleaved, and no stop checkpoint.
+    job = Job([PYTHON, OWN_LOOP, "--nproc", "2", "--epochs", "12", "--output-dir", str(tmp_path)], tmp_path / "log")
+    job.wait_for_output("epoch 1 step 25", timeout=120)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    code = job.wait(timeout=90)
+    log = job.output()
+    assert code == 130, log[-3000:]
+    assert log.count("trainbridge: interrupted: stopping the 2 workers") == 1, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert re.search(r"stopped by SIGTERM after step \d+", log) and (tmp_path / "last.pt").exists(), log[-3000:]
+
+
+def test_a_bug_under_tb_spawn_keeps_its_traceback(tmp_path):
+    # Before: "trainbridge: error: a spawned worker failed: KeyError: 'missing'" and no frame.
+    script = tmp_path / "bug.py"
+    script.write_text("import trainbridge as tb\n\n\ndef lookup(table):\n    return table['missing']\n\n\n"
+                      "def main():\n    tb.init()\n    lookup({})\n\n\n"
+                      "if __name__ == '__main__':\n    raise SystemExit(tb.spawn(main, 2))\n")
+    result = run([PYTHON, str(script)], timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"trainbridge: error: spawned worker \d failed: KeyError: 'missing'; its traceback:",
+                     result.stderr), result.stderr[-3000:]
+    assert re.search(r'File ".*bug\.py", line 5, in lookup', result.stderr), result.stderr[-3000:]

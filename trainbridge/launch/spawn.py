@@ -9,12 +9,16 @@ worker fails, the others are terminated and the parent exits with its code.
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from typing import Callable
+import time
+from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
 from .rendezvous import free_port
+
+STOP_GRACE_SECONDS = 60.0  # after Ctrl-C: time for a stop checkpoint before the workers are killed
 
 
 def _worker(local_rank: int, nproc: int, port: int, target: Callable[[], int]) -> None:
@@ -29,13 +33,45 @@ def _worker(local_rank: int, nproc: int, port: int, target: Callable[[], int]) -
 
 
 def spawn_workers(nproc: int, target: Callable[[], int]) -> int:
-    """Run ``target()`` in ``nproc`` fresh processes; the first non-zero exit code, else 0."""
+    """Run ``target()`` in ``nproc`` fresh processes; the first non-zero exit code, else 0 (130 on Ctrl-C)."""
+    # Ctrl-C reaches every process of the terminal's group. The workers ignore it (a disposition
+    # set before they start holds through their start-up): the parent alone answers it, with the
+    # SIGTERM that the job's stop agreement answers, so each worker leaves in order, once.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        mp.start_processes(_worker, args=(nproc, free_port(), target), nprocs=nproc, start_method="spawn")
+        context = mp.start_processes(_worker, args=(nproc, free_port(), target), nprocs=nproc, join=False,
+                                     start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        return _stop_workers(context.processes)
     except mp.ProcessExitedException as exc:
         return exc.exit_code or 1
-    except mp.ProcessRaisedException as exc:
-        print(f"trainbridge: error: a spawned worker failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+    except mp.ProcessRaisedException as exc:  # a bug, not bad input (that is one line, from the worker)
+        trace = str(exc).strip().splitlines()
+        print(f"trainbridge: error: spawned worker {exc.error_index} failed: {trace[-1]}; its traceback:",
+              *trace[1:], sep="\n", file=sys.stderr)
         return 1
     return 0
 
+
+def _stop_workers(processes: Sequence[mp.Process]) -> int:
+    print(f"trainbridge: interrupted: stopping the {len(processes)} workers (a loop that calls job.should_stop() "
+          f"saves its stop checkpoint first; Ctrl-C again kills them)", file=sys.stderr, flush=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    try:
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return 130  # 128 + SIGINT, as a shell reports an interrupted command

@@ -1,7 +1,7 @@
 """The watchdog bounds waits for the other ranks, never a rank's own work; signals reach DataLoader loops.
 
 Real torchrun (and plain python) runs of tests/api_scripts/waits.py, whose job timeout
-is 3 s, and of examples/own_loop.py with DataLoader workers.
+is 8 s, and of examples/own_loop.py with DataLoader workers.
 """
 from __future__ import annotations
 
@@ -31,9 +31,14 @@ def error_lines(result: subprocess.CompletedProcess) -> dict:
     return {int(rank): text for rank, text in lines}
 
 
+def survivors(tmp_path: Path) -> list:
+    """Processes of this test's job still running (DataLoader workers that outlived their rank)."""
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
 def test_a_long_phase_without_collectives_is_not_cut_short(tmp_path):
-    # Every rank computes 8 s (a long evaluation) with timeout 3 s. Before: the watchdog ended
-    # every rank after 3 s with "another rank probably died or stalled", exit 124.
+    # Every rank computes 20 s (a long evaluation) with timeout 8 s. Before: the watchdog ended
+    # every rank after 8 s with "another rank probably died or stalled", exit 124.
     result = waits("long_local_work", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finished: 2" in result.stdout and "trainbridge: error" not in result.stderr
@@ -69,8 +74,7 @@ def test_a_rank_ended_by_a_failure_leaves_no_dataloader_worker_behind(tmp_path):
     result = waits("stuck_worker", tmp_path, timeout=90)
     assert result.returncode != 0 and "worker" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
     assert "in job.barrier" in error_lines(result).get(0, ""), result.stderr[-3000:]
-    left = [p for p in psutil.process_iter(["cmdline"]) if WAITS in (p.info["cmdline"] or [])]
-    assert not left, [p.pid for p in left]
+    assert not survivors(tmp_path)
 
 
 def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_path):
@@ -131,3 +135,16 @@ def test_a_bug_under_tb_spawn_keeps_its_traceback(tmp_path):
     assert re.search(r"trainbridge: error: spawned worker \d failed: KeyError: 'missing'; its traceback:",
                      result.stderr), result.stderr[-3000:]
     assert re.search(r'File ".*bug\.py", line 5, in lookup', result.stderr), result.stderr[-3000:]
+
+
+def test_a_worker_that_never_delivers_a_batch_ends_its_rank_with_one_line(tmp_path):
+    # Each rank's DataLoader workers deliver 4 batches, then hang in a read. Waiting for one's own
+    # workers is bounded like a wait for a peer: one line, the workers killed, the job ended.
+    result = waits("stuck_read", tmp_path, timeout=90)
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert lines, result.stderr[-3000:]
+    for line in lines.values():
+        assert re.match(r"waited \d+s in train_loader's next batch at this process's step 4 for this rank's "
+                        r"DataLoader workers", line), line
+    assert not survivors(tmp_path)

@@ -1,13 +1,14 @@
 """Ranks that work long, stall, or wait in different calls; ``python waits.py MODE`` under torchrun.
 
-The job's timeout is 3 s. Each mode trains 2 steps of a small model first:
+The job's timeout is 8 s. Each mode trains 2 steps of a small model first:
 
-* long_local_work: every rank then computes for 8 s without any collective (a long
+* long_local_work: every rank then computes for 20 s without any collective (a long
   evaluation), then allreduces its result: must finish, exit 0.
 * stall: rank 1 computes for 60 s while rank 0 waits in job.barrier.
 * mismatch: rank 0 saves alone (a rank-0-only job.save) while rank 1 goes to job.barrier.
 * stuck_worker: DataLoader workers stuck in __getitem__ (prefetching), then rank 1
   stalls; the job must end (no worker may keep the launcher's output open).
+* stuck_read: the loop goes on to a batch that a stuck worker never delivers.
 """
 import os
 import sys
@@ -44,19 +45,19 @@ def busy(seconds: float) -> None:
         torch.ones(64, 64) @ torch.ones(64, 64)
 
 
-job = tb.init(timeout=3)
+job = tb.init(timeout=8)
 model, optimizer = job.prepare(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-workers = 2 if MODE == "stuck_worker" else 0
+workers = 2 if MODE.startswith("stuck") else 0
 loader = job.train_loader(Slow(), batch_size=2, num_workers=workers)
-for step, (x, y) in zip(range(2), loader):
+for step, (x, y) in zip(range(6 if MODE == "stuck_read" else 2), loader):
     optimizer.zero_grad()
     job.backward(nn.functional.cross_entropy(model(x), y))
     job.step(optimizer)
 print(f"rank {job.rank} trained", flush=True)
 
 if MODE == "long_local_work":
-    busy(8)
+    busy(20)
     total = job.allreduce(torch.ones(1), "sum")
     job.print(f"finished: {total.item():.0f}")
 elif MODE == "stall":

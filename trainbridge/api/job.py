@@ -44,7 +44,7 @@ from ..launch.malloc_tuning import tune_malloc
 from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
 from .loader_workers import kill_workers
 from .loaders import EvalLoader, TrainLoader, dataset_size
-from .stop import StopSignal, Watchdog
+from .stop import FOR_WORKERS, StopSignal, Watchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 QUIET_RANK_GRACE_SECONDS = 10.0
@@ -292,7 +292,8 @@ class Job:
                 "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
                 "manual_seed(...)) and pass the same seed and batch_size")
         return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                           seed=seed, before_fork=self._before_fork, **dataloader_options)
+                           seed=seed, before_fork=self._before_fork, worker_wait=self._waiting_for_workers,
+                           **dataloader_options)
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
@@ -301,7 +302,12 @@ class Job:
                 "eval_loader", {"dataset size": dataset_size(dataset, "eval_loader")},
                 "every rank must hold the same evaluation set (seed a random_split with generator=...)")
         return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                          before_fork=self._before_fork, **dataloader_options)
+                          before_fork=self._before_fork, worker_wait=self._waiting_for_workers,
+                          **dataloader_options)
+
+    def _waiting_for_workers(self, what: str):
+        # A worker stuck in a read, or in a lock it inherited at fork, would hold this rank for ever.
+        return self.watchdog.waiting(f"{what} at this process's step {self._steps}", FOR_WORKERS)
 
     def _before_fork(self) -> None:
         # A process forked while the checkpoint writer thread runs can inherit a lock that

@@ -15,7 +15,8 @@ are exact.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -24,6 +25,9 @@ from ..data.sampler import TrainBatches, mix_seed, steps_in_pass
 from ..data.seeded import SeededDataset
 from ..errors import UserError
 from .loader_workers import with_worker_setup
+
+_END = object()
+NO_WAIT_BOUND: Callable[[str], ContextManager] = lambda what: contextlib.nullcontext()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -106,8 +110,10 @@ class TrainLoader:
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 seed: int = 0, before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
+                 seed: int = 0, before_fork: Callable[[], None] = lambda: None,
+                 worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
+        self.worker_wait = worker_wait  # bounds each wait for the DataLoader workers (the job's watchdog)
         size = dataset_size(dataset, "train_loader")
         dataloader_options = _refuse(dataloader_options, TRAIN_REFUSALS, "train_loader")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -174,14 +180,20 @@ class TrainLoader:
                                          or getattr(self._loader, "_iterator", None) is None):
             self.before_fork()  # the workers are forked now
             self._worker_setup.before_fork()
-        return self._pass(token, iter(self._loader))
+        with self._waiting("train_loader's start of its DataLoader workers"):
+            batches = iter(self._loader)
+        return self._pass(token, batches)
+
+    def _waiting(self, what: str) -> ContextManager:
+        return self.worker_wait(what) if self._loader.num_workers else contextlib.nullcontext()
 
     def _pass(self, token: object, batches: Iterator[Any]) -> Iterator[Any]:
         try:
             for _ in range(self._steps):
                 if self._open is not token:  # a newer pass (or load_state_dict) replaced this one
                     return
-                batch = next(batches)
+                with self._waiting("train_loader's next batch"):
+                    batch = next(batches)
                 # Counted before the batch is handed out: a checkpoint written after the
                 # loop body has used it resumes at the next one.
                 self._position += self.global_batch_size
@@ -219,8 +231,10 @@ class EvalLoader:
     """Batches of this rank's unpadded evaluation shard (indices rank, rank + world_size, ...), on ``device``."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 before_fork: Callable[[], None] = lambda: None, **dataloader_options: Any) -> None:
+                 before_fork: Callable[[], None] = lambda: None,
+                 worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND, **dataloader_options: Any) -> None:
         self.before_fork = before_fork
+        self.worker_wait = worker_wait
         size = dataset_size(dataset, "eval_loader")
         dataloader_options = _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -237,7 +251,18 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.loader.num_workers:
-            self.before_fork()  # every pass forks its workers
-            self._worker_setup.before_fork()
-        return (to_device(batch, self.device) for batch in self.loader)
+        if not self.loader.num_workers:
+            return (to_device(batch, self.device) for batch in self.loader)
+        self.before_fork()  # every pass forks its workers
+        self._worker_setup.before_fork()
+        return self._from_workers()
+
+    def _from_workers(self) -> Iterator[Any]:
+        with self.worker_wait("eval_loader's start of its DataLoader workers"):
+            batches = iter(self.loader)
+        while True:
+            with self.worker_wait("eval_loader's next batch"):
+                batch = next(batches, _END)
+            if batch is _END:
+                return
+            yield to_device(batch, self.device)

@@ -17,13 +17,17 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
 from .loader_workers import kill_workers
 
 WATCHDOG_EXIT_CODE = 124
+FOR_PEERS = ("the other ranks", "a rank died or stalled, or the ranks called different operations; "
+                                "compare with the other ranks' lines")
+FOR_WORKERS = ("this rank's DataLoader workers", "a worker is stuck (a read that never returns, or a lock held "
+                                                 "when it was forked); see the py-spy dump of the worker")
 
 
 class StopSignal:
@@ -80,16 +84,17 @@ class Watchdog:
         self.limit = timeout
         self.since = time.monotonic()
         self.what: Optional[str] = None  # the wait in progress
+        self.waited_for = FOR_PEERS
         self.failed_in: Optional[str] = None  # the wait an exception (a collective's own timeout) ended
         threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
-    def waiting(self, what: str) -> Iterator[None]:
-        """Bound the block, a wait for the other ranks described by ``what``, by ``timeout``."""
+    def waiting(self, what: str, waited_for: Tuple[str, str] = FOR_PEERS) -> Iterator[None]:
+        """Bound the block, a wait described by ``what``, by ``timeout``; ``waited_for``: whom, and the likely causes."""
         if self.what is not None:  # inside another wait (a save's barrier): the outer one names it
             yield
             return
-        self.expect(what, self.timeout)
+        self.expect(what, self.timeout, waited_for)
         try:
             yield
         except BaseException:
@@ -98,9 +103,9 @@ class Watchdog:
         finally:
             self.what = None
 
-    def expect(self, what: str, seconds: float) -> None:
+    def expect(self, what: str, seconds: float, waited_for: Tuple[str, str] = FOR_PEERS) -> None:
         """Arm for one wait that must end within ``seconds`` (e.g. joining the job), until :meth:`disarm`."""
-        self.limit, self.since = seconds, time.monotonic()
+        self.limit, self.since, self.waited_for = seconds, time.monotonic(), waited_for
         self.what = what
 
     def disarm(self) -> None:
@@ -109,10 +114,9 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout / 10))
-            what, waited = self.what, time.monotonic() - self.since
+            what, (whom, causes), waited = self.what, self.waited_for, time.monotonic() - self.since
             if what is not None and waited > self.limit:
-                print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for the other ranks "
-                      f"(timeout {self.timeout:g}s): a rank died or stalled, or the ranks called different "
-                      f"operations; compare with the other ranks' lines", file=sys.stderr, flush=True)
+                print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
+                      f"(timeout {self.timeout:g}s): {causes}", file=sys.stderr, flush=True)
                 kill_workers()  # a stuck DataLoader worker would keep the launcher's output open
                 os._exit(WATCHDOG_EXIT_CODE)

@@ -30,7 +30,7 @@ def wait_for_write(out: Path, proc: subprocess.Popen, after: int = 0, timeout: f
     """Until a background write is in flight (its temporary file exists) after ``after`` files were done."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (out / ".last.pt.tmp").exists() and (after == 0 or (out / "previous.pt").exists()):
+        if list(out.glob(".last.pt.*.tmp")) and (after == 0 or (out / "previous.pt").exists()):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.005)

@@ -70,12 +70,11 @@ def test_sigkill_during_a_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path
     out = tmp_path / "out"
     job = Job(torchrun(2, COMMON + ["--checkpoint-every", "1", "--output-dir", str(out)]), tmp_path / "log")
     writer = None
-    tmp_file = out / ".last.pt.tmp"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.proc.poll() is None:
         if writer is None and (out / "last.pt").exists():
             writer = job.rank_process(0)  # rank 0 writes every checkpoint
-        if writer is not None and tmp_file.exists():
+        if writer is not None and list(out.glob(".last.pt.*.tmp")):  # the writer's own temporary name
             writer.send_signal(signal.SIGKILL)
             break
         time.sleep(0.0005)

@@ -1,17 +1,26 @@
 """Files written by the main rank: atomic, durable, never half-written.
 
-Only rank 0 writes, to ``DIR/.<name>.tmp`` first, then ``fsync`` and ``os.replace``:
-a kill during the write leaves the old file intact (a rename is atomic on POSIX),
-and the directory is synced so that the rename itself survives a power loss.
+Only rank 0 writes, to ``DIR/.<name>.<host>-<pid>-<n>.tmp`` first, then ``fsync`` and
+``os.replace``: a kill during the write leaves the old file intact (a rename is atomic on
+POSIX), and the directory is synced so that the rename itself survives a power loss.
+The temporary name is this writer's own, so two writers of one path (two threads, two
+jobs) never write into or rename each other's file: the last rename wins, whole.
+A write that fails (a read-only place, a full disk, a path that is a directory, a value
+that cannot be pickled) removes its temporary file, leaves the file at the path as it
+was, and raises one UserError line naming the path, the cause and the fix.
 A background write (:class:`BackgroundWriter`) keeps every one of these rules; only
 the copy of the state to host memory stays on the training path.
 """
 from __future__ import annotations
 
+import errno
+import itertools
 import os
+import pickle
 import shutil
+import socket
 import threading
-from typing import Any, Dict, NoReturn, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch.utils.serialization import config as _serialization_config
@@ -105,55 +114,107 @@ class _WriteErrors:
         self.file.flush()
 
 
+_writes = itertools.count()  # numbers this process's temporary files
+
+
+def temporary_path(path: str) -> str:
+    """``DIR/.<name>.<host>-<pid>-<n>.tmp``: a name no other writer (thread, process, host) uses at the same time."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{socket.gethostname()}-{os.getpid()}-{next(_writes)}.tmp")
+
+
+def check_targets(paths: Sequence[str], keep_previous: Optional[str] = None) -> None:
+    """UserError, before anything is written, when a path to write (or rotate to) is an existing directory."""
+    for target in (*paths, keep_previous):
+        if target and os.path.isdir(target):
+            raise UserError(f"cannot write the checkpoint {paths[0]}: {target} is an existing directory, not a file; "
+                            f"nothing was written and the directory is left as it is; give a file path "
+                            f"(e.g. {os.path.join(target, 'last.pt')}) or move the directory away")
+
+
 def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
     """Write ``obj`` to ``path`` so that a crash at any moment leaves a loadable file there (or none).
 
     With ``keep_previous``, the file being replaced is first renamed to that path.
-    A failed write raises UserError and leaves ``path`` and ``keep_previous`` as they were.
+    A failed write raises UserError, removes its temporary file and leaves ``path``
+    and ``keep_previous`` as they were.
     """
+    check_targets([path], keep_previous)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        sink = _WriteErrors(f)
-        try:
+    tmp, sink = temporary_path(path), None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            sink = _WriteErrors(f)
             # torch.load never checks the zip's CRC-32s, and computing them is a third of a save's CPU time.
             with _serialization_config.patch({"save.compute_crc32": False}):
                 torch.save(obj, sink)
             f.flush()
             os.fsync(f.fileno())
-        except (OSError, RuntimeError) as exc:
-            failed = sink.error or (exc if isinstance(exc, OSError) else None)
-            if failed is None:
-                raise  # not the file system: a bug, keep its traceback
-            _give_up(tmp, path, failed)
-    if keep_previous and os.path.exists(path):
-        os.replace(path, keep_previous)
-    os.replace(tmp, path)
+        if keep_previous:
+            _rotate(path, keep_previous)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        _remove(tmp)
+        _raise_why_not_written(path, exc, sink.error if sink is not None else None)
+        raise  # not the file system, not pickling: a bug, keep its traceback
     fsync_dir(directory)
 
 
 def atomic_copy(source: str, path: str) -> None:
     """Copy the file ``source`` to ``path`` with :func:`atomic_save`'s guarantees, in the kernel (no re-pickling)."""
+    check_targets([path])
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    tmp = temporary_path(path)
     try:
         shutil.copyfile(source, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-    except OSError as exc:
-        _give_up(tmp, path, exc)
-    os.replace(tmp, path)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        _remove(tmp)
+        _raise_why_not_written(path, exc)
+        raise
     fsync_dir(directory)
 
 
-def _give_up(tmp: str, path: str, failed: OSError) -> NoReturn:
-    """Remove the half-written ``tmp`` and say in one line why ``path`` was not written."""
-    if os.path.exists(tmp):
+def _rotate(path: str, keep_previous: str) -> None:
+    """Rename ``path`` to ``keep_previous``; nothing to do when there is no file (yet, or another writer moved it)."""
+    try:
+        os.replace(path, keep_previous)
+    except FileNotFoundError:
+        if os.path.exists(path):
+            raise  # keep_previous's folder is missing
+
+
+def _remove(tmp: str) -> None:
+    try:
         os.remove(tmp)
-    raise UserError(f"cannot write the checkpoint {path}: {failed.strerror or failed}; the checkpoints already in "
-                    f"{os.path.dirname(os.path.abspath(path))} are unchanged; free space there or pass another "
-                    f"--output-dir") from None
+    except OSError:
+        pass  # never created
+
+
+def _raise_why_not_written(path: str, exc: BaseException, write_error: Optional[OSError] = None) -> None:
+    """One UserError line for a write that failed because of the file system or an unpicklable value; else return.
+
+    torch turns a failed write into an opaque RuntimeError: ``write_error`` is the OSError behind it.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    unchanged = f"the checkpoints already in {directory} are unchanged"
+    failed = write_error if isinstance(exc, RuntimeError) and write_error is not None else exc
+    if isinstance(failed, OSError):
+        if failed.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = f"make {directory} writable or write elsewhere (another --output-dir)"
+        elif failed.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            fix = "free space there or pass another --output-dir"
+        else:
+            fix = f"check {directory} or pass another --output-dir"
+        raise UserError(f"cannot write the checkpoint {path}: {failed.strerror or failed}; {unchanged}; {fix}") from exc
+    if isinstance(exc, pickle.PicklingError) or (isinstance(exc, (AttributeError, TypeError))
+                                                 and "pickle" in str(exc).lower()):
+        raise UserError(f"cannot write the checkpoint {path}: a value in it cannot be pickled "
+                        f"({first_line(exc, 120)}); {unchanged}; save plain values (tensors, numbers, strings, "
+                        f"lists, dicts), not lambdas, local functions, locks or open files") from exc
 
 
 def read_file(path: str, map_location: Any = "cpu", missing: str = "check the path",
@@ -210,6 +271,7 @@ class BackgroundWriter:
     def submit(self, obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:
         """Write ``obj`` to each of ``paths`` in the background (``keep_previous`` for the first)."""
         self.wait()
+        check_targets(paths, keep_previous)  # a directory in the way: say so at the call, not at the next one
         snapshot = host_copy(obj)  # the only part on the training path
 
         def write() -> None:

@@ -19,6 +19,7 @@ from ..api import exit_process, init, report_failure
 from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.spawn import spawn_workers
+from ..training.checkpoint import claim_output_dir
 from ..training.config import TrainConfig, parse_config
 from ..training.fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from ..training.loop import train
@@ -31,6 +32,7 @@ def run_worker(cfg: TrainConfig) -> int:
         cfg.validate()
         job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, threads=cfg.threads,
                    malloc_tuning=cfg.malloc_tuning)
+        claim_output_dir(cfg.output_dir, job)  # one job per --output-dir, before anything there is read or moved
         train(cfg, job)
         finished = True
         return 0

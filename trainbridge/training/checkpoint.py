@@ -12,23 +12,91 @@ Contract (the *why* of each rule):
   hold only tensors, numbers, strings, lists and dicts, never pickled code.
 * A corrupt file is never overwritten silently: with ``--resume auto`` it is moved
   aside to ``<name>.corrupt`` (and the run says so) before ``previous.pt`` is tried.
-* A write that fails (a full disk, a quota, a file size limit) removes its
-  temporary file and stops the run with one line naming the file, the reason and
-  the fix; the checkpoints already there are untouched.
+* A write that fails (a full disk, a quota, a file size limit, a read-only place)
+  removes its temporary file and stops the run with one line naming the file, the
+  reason and the fix; the checkpoints already there are untouched.
+* One job per output directory: rank 0 holds a lock on ``DIR/.trainbridge.lock``
+  (holder's host and pid inside) for the job's life, taken before anything there is
+  read or moved. A second job in the same folder would resume from the first's live
+  ``last.pt`` (or, with ``--resume never``, move it aside) and both would write there;
+  it stops at once instead. The kernel drops the lock when the process ends, however
+  it ends, so a crashed job never blocks the next.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+import socket
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
-
 
 from ..api.files import CorruptCheckpoint, read_file, state_mismatch
 from ..errors import UserError
 
+if TYPE_CHECKING:
+    from ..api import Job
+
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 FORMAT = "trainbridge-checkpoint-1"
+LOCK = ".trainbridge.lock"
+_held: Dict[str, IO[str]] = {}  # output directory -> its lock file, open until this process ends
+
+
+def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
+    """Hold ``DIR/.trainbridge.lock`` until this process ends, or raise UserError naming the job that holds it.
+
+    A POSIX record lock (``fcntl.lockf``), taken without waiting: the kernel releases it
+    when the process ends, however it ends, and, unlike ``flock``, forked children
+    (DataLoader workers still winding down) never keep a dead job's lock. The price of
+    POSIX locks: closing any descriptor of the lock file in this process drops the lock,
+    so nothing else here may open it.
+    """
+    directory = os.path.abspath(output_dir)
+    if directory in _held:
+        return
+    path = os.path.join(directory, LOCK)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as exc:
+        raise UserError(f"--output-dir {output_dir} is not writable ({exc.strerror or exc}); pass a folder you can "
+                        f"write to") from exc
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks (some NFS setups)
+            note(f"[trainbridge] cannot lock {path} ({exc.strerror or exc}): nothing keeps a second job out of "
+                 f"{output_dir} while this one runs")
+            return
+        raise UserError(f"--output-dir {output_dir} is in use by another job ({holder or 'holder unknown'}): "
+                        f"this one would resume from its live checkpoints and write over them; wait for it to "
+                        f"finish, or pass another --output-dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    lock.flush()
+    _held[directory] = lock
+
+
+def claim_output_dir(output_dir: str, job: "Job") -> None:
+    """One job per output directory: rank 0 takes the lock, every rank learns the outcome and stops alike."""
+    def claim() -> Optional[str]:
+        if not job.is_main:  # Horovod elastic runs the decision on every rank
+            return None
+        try:
+            lock_output_dir(output_dir, note=job.print)
+            return None
+        except UserError as exc:
+            return str(exc)
+
+    error = job.decide_on_main(claim)  # a broadcast: no rank goes on to read or write the folder alone
+    if error is not None:
+        raise UserError(error, quiet=not job.is_main)
 
 
 def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:

@@ -483,7 +483,7 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Block until every rank of the set has reached a barrier."""
+    """Block until every rank of the set has reached a barrier (ranks outside the set take no part)."""
     with _validating("barrier", None, process_set) as target:
         announcement = Announcement("barrier", process_set=target.set_id)
     target.engine.submit(None, announcement, [], None).wait()

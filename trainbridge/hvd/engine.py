@@ -19,8 +19,12 @@ Contract (the same as Horovod's background loop):
 * Only this thread issues collectives on the engine's groups, so its order is
   the same on every rank, whatever threads the caller uses. Process sets
   (:mod:`.process_sets`) are created and removed on this thread too, at the same
-  cycle on every rank; an operation on a set runs on that set's own group, among
-  its members only.
+  cycle on every rank.
+* Each process set this rank belongs to has its own engine (a *lane*: thread,
+  negotiation table and unnamed-operation counters) that negotiates and runs the
+  set's operations on the set's own groups, among its members only, as Horovod's
+  per-set controllers do: a rank outside the set, busy or asleep, never delays
+  them. A set's lane ends when the set is removed or the job shuts down.
 * A rank that rejects its own input (see ``reject``) still announces the
   operation, so its peers fail it too instead of waiting for it.
 * No operation waits for ever. A watchdog thread prints, after
@@ -124,20 +128,27 @@ class Engine:
 
     def __init__(self, rank: int, size: int, control_group: Any, cuda_group: Any = None,
                  cycle_time: float = 0.001, static_sets: Sequence[Tuple[int, ...]] = (),
-                 timeout: float = 1800.0, stall_shutdown_s: Optional[float] = None) -> None:
+                 timeout: float = 1800.0, stall_shutdown_s: Optional[float] = None,
+                 lane_of: Optional["Engine"] = None, set_id: int = 0) -> None:
+        """The global engine; with ``lane_of`` (the global engine) and ``set_id``, the lane of that process set."""
         self.rank, self.size = rank, size
-        self._control = control_group  # gloo: negotiation and CPU tensors
-        self._cuda = cuda_group  # nccl for CUDA tensors, when available
         self._cycle_time = cycle_time
         self._timeout = timeout
         self._fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_BYTES))
-        self._table = NegotiationTable(size)
-        # Process sets: id -> ranks (read by callers) and id -> (gloo group, nccl group or None).
-        self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
-        self._set_groups: Dict[int, Tuple[Any, Any]] = {0: (control_group, cuda_group)}
+        self._lane_of = lane_of
+        self._lanes: Dict[int, "Engine"] = {}  # the global engine's lanes: set id -> Engine
+        if lane_of is None:
+            # Process sets: id -> ranks (read by callers) and id -> (gloo group, nccl group or None).
+            self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
+            self._set_groups: Dict[int, Tuple[Any, Any]] = {0: (control_group, cuda_group)}
+        else:  # a lane shares the global registry of sets
+            self.process_sets, self._set_groups = lane_of.process_sets, lane_of._set_groups
+            control_group, cuda_group = self._set_groups[set_id]
+        self._control = control_group  # gloo: negotiation and CPU tensors
+        self._cuda = cuda_group  # nccl for CUDA tensors, when available
+        members = self.process_sets[set_id]
+        self._table = NegotiationTable(len(members), members, set_id)
         self._next_set_id = 1
-        for ranks in static_sets:  # every rank creates them in the same order, before the thread starts
-            self._register_set(tuple(ranks))
         self._cv = threading.Condition()
         self._outbox: List = []
         self._local: Dict[Key, Request] = {}
@@ -152,7 +163,10 @@ class Engine:
         stall_check = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0").lower() not in ("1", "true")
         self._stall_s = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)) if stall_check else None
         self._stall_shutdown_s = stall_shutdown_s
-        self._thread = threading.Thread(target=self._loop, name="trainbridge-hvd-engine", daemon=True)
+        for ranks in static_sets:  # every rank creates them in the same order, before the thread starts
+            self._register_set(tuple(ranks))
+        suffix = f"-set{set_id}" if set_id else ""
+        self._thread = threading.Thread(target=self._loop, name=f"trainbridge-hvd-engine{suffix}", daemon=True)
         self._thread.start()
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="trainbridge-hvd-stall-check", daemon=True)
@@ -161,14 +175,23 @@ class Engine:
     # ----- caller side ------------------------------------------------------
     def _name(self, name: Optional[str], kind: str) -> str:
         if name is None:
-            # Numbered per kind and process: ranks must issue unnamed operations in the same order.
+            # Numbered per kind, process and process set (each lane counts its own, as Horovod's
+            # per-set queues do): a set's members must issue its unnamed operations in the same order.
             self._counters[kind] += 1
             name = f"{kind}.noname.{self._counters[kind]}"
         return name
 
+    def _lane(self, set_id: int) -> "Engine":
+        """The engine that negotiates ``set_id``'s operations: its lane, or this one for the global set
+        (and for a set that is gone, which this engine's table then fails as unregistered)."""
+        return self._lanes.get(set_id, self) if set_id else self
+
     def submit(self, name: Optional[str], announcement: Announcement, inputs: List[torch.Tensor],
                outputs: Optional[List[torch.Tensor]] = None, grouped: bool = False) -> Handle:
-        """Queue one operation; ``name=None`` gets Horovod's auto-incremented name."""
+        """Queue one operation; ``name=None`` gets Horovod's auto-incremented name (numbered per process set)."""
+        lane = self._lane(announcement.process_set)
+        if lane is not self:
+            return lane.submit(name, announcement, inputs, outputs, grouped)
         with self._cv:
             self._raise_if_closed()
             kind = announcement.kind
@@ -187,6 +210,9 @@ class Engine:
     def reject(self, name: Optional[str], kind: str, process_set: int, error: BaseException) -> None:
         """Announce an operation whose input this rank rejected (it raises ``error`` itself), so that
         the peers that submitted it fail with the same error type instead of waiting for this rank."""
+        lane = self._lane(process_set)
+        if lane is not self:
+            return lane.reject(name, kind, process_set, error)
         with self._cv:
             if self._closed is not None:
                 return
@@ -216,14 +242,26 @@ class Engine:
             self._cv.notify()
             return self._join
 
-    def stop(self) -> None:
-        """Leave the job: every rank's loop ends at the same cycle (see the module docstring)."""
+    def _request_stop(self) -> None:
         with self._cv:
             self._shutdown_requested = self._shutdown_requested or True
             self._cv.notify_all()
+
+    def stop(self) -> None:
+        """Leave the job: every rank's loop ends at the same cycle (see the module docstring)."""
+        lanes = list(self._lanes.values())
+        for lane in lanes:
+            # First, so that a member waiting in a set's operation for this rank fails now instead of
+            # keeping its own global loop (which this rank's global loop waits for) from cycling.
+            lane._request_stop()
+        self._request_stop()
         self._thread.join()
         self._stopped.set()
         self._watchdog.join()
+        for lane in lanes:
+            lane.stop()
+        if self._lane_of is not None:
+            return  # the global engine owns the groups
         for set_id, groups in list(self._set_groups.items()):
             if set_id != 0:
                 self._destroy_groups(groups)
@@ -242,7 +280,7 @@ class Engine:
         try:
             while True:
                 message = self._next_message()
-                gathered: List[Optional[Message]] = [None] * self.size
+                gathered: List[Optional[Message]] = [None] * len(self._table.ranks)
                 dist.all_gather_object(gathered, message, group=self._control)
                 outcome = self._table.apply(gathered)
                 self.cycles += 1
@@ -320,8 +358,8 @@ class Engine:
                         request.stall_reported = True
                 if fresh:
                     print(f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
-                          f"Unnamed operations are numbered per process, so every rank must issue them in the same "
-                          f"order", file=sys.stderr, flush=True)
+                          f"Unnamed operations are numbered per process and process set, so every member must issue "
+                          f"them in the same order", file=sys.stderr, flush=True)
             if self._stall_shutdown_s is not None:
                 stalled = self._stalled(now, self._stall_shutdown_s)
                 if stalled:
@@ -334,6 +372,8 @@ class Engine:
                             self._cv.notify_all()
 
     def _close(self, error: HorovodInternalError) -> None:
+        for lane in list(self._lanes.values()):
+            lane._request_stop()  # the job ended: so do its sets, on every member (their lanes' last round)
         with self._cv:
             self._closed = error
             failed = list(self._local.values()) + [r for r in self._executing if not r.handle.done()]
@@ -355,7 +395,10 @@ class Engine:
             cuda = dist.new_group(ranks=list(ranks), backend="nccl", timeout=timeout)
         self._set_groups[set_id] = (gloo, cuda)
         self.process_sets[set_id] = ranks
-        self._table.members[set_id] = ranks
+        if self.rank in ranks:  # the set negotiates among its members only, on its own thread
+            self._lanes[set_id] = Engine(self.rank, self.size, None, cycle_time=self._cycle_time,
+                                         timeout=self._timeout, stall_shutdown_s=self._stall_shutdown_s,
+                                         lane_of=self, set_id=set_id)
         return set_id
 
     def _destroy_groups(self, groups: Tuple[Any, Any]) -> None:
@@ -373,7 +416,10 @@ class Engine:
         set_id = decision.reference().ranks[0]
         if set_id == 0 or set_id not in self.process_sets:
             return None
-        del self.process_sets[set_id], self._table.members[set_id]
+        lane = self._lanes.pop(set_id, None)
+        if lane is not None:
+            lane.stop()  # every member stops its lane at this same cycle, so their last rounds meet
+        del self.process_sets[set_id]
         self._destroy_groups(self._set_groups.pop(set_id))
         return set_id
 

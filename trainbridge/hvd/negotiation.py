@@ -14,6 +14,8 @@ mismatch or a bad input thus becomes an error on every rank, never a hang.
 
 Operations are keyed by (process set id, name): the same name may be in flight
 in two process sets at once, as in Horovod, where each set has its own queue.
+Each process set negotiates in its own table, among its members only (see
+engine.py): ranks outside a set never take part in its operations.
 
 This module is pure bookkeeping (no torch.distributed), so it is unit-tested
 without processes.
@@ -85,16 +87,18 @@ class CycleOutcome(NamedTuple):
 class NegotiationTable:
     """The replicated state of all in-flight named operations."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, ranks: Optional[Sequence[int]] = None, set_id: int = 0) -> None:
+        """A table for ``size`` ranks; a process set's own table is given its ``ranks`` and ``set_id``."""
         self.size = size
+        self.ranks = tuple(range(size) if ranks is None else ranks)  # who sent each gathered message
         self.pending: Dict[Key, Dict[int, Announcement]] = {}  # insertion order = execution order
         self.joined: List[int] = []
-        self.members: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}  # process set id -> ranks
+        self.members: Dict[int, Tuple[int, ...]] = {set_id: self.ranks}  # process set id -> ranks
 
     def apply(self, messages: Sequence[Message]) -> CycleOutcome:
-        """Record one cycle's messages (index = rank) and return what is now decided."""
+        """Record one cycle's messages (in the order of ``ranks``) and return what is now decided."""
         newly_joined, shutdown_by, reason = [], [], None
-        for rank, message in enumerate(messages):
+        for rank, message in zip(self.ranks, messages):
             for name, announcement in message.announcements:
                 self.pending.setdefault((announcement.process_set, name), {})[rank] = announcement
             if message.join and rank not in self.joined:

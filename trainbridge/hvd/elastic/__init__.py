@@ -9,13 +9,17 @@ restarts every worker when one fails (``torchrun --max-restarts N``), so here:
   function resumes at the committed epoch and batch.
 * A failed peer surfaces as HorovodInternalError; it propagates, the worker
   exits non-zero and torchrun restarts the job from the last commit.
-* What survives a restart: exactly what the last ``state.commit()`` saved.
+* What survives a restart: exactly what the last ``state.commit()`` saved, in this
+  torchrun invocation only (a first attempt, or a file another job wrote, starts
+  from the initial state); when ``run`` returns on every rank the commit file is
+  removed (see :mod:`.commit_file`).
 """
 from __future__ import annotations
 
 import functools
 from typing import Callable
 
+from ..collectives import barrier
 from ..process import init, rank, shutdown
 from . import commit_file
 from .sampler import ElasticSampler
@@ -27,15 +31,26 @@ def run(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
+        path = commit_file.commit_path()
+        owner = path is not None and rank() == 0  # rank 0 writes and reads the commit file
         if commit_file.is_restart():
-            path = commit_file.commit_path()
-            snapshot = commit_file.load(path) if path is not None and rank() == 0 else None
+            snapshot = commit_file.load(path, commit_file.job_identity()) if owner else None
             if snapshot is not None:
                 state.load_snapshot(snapshot)
                 print(f"hvd.elastic: rank 0 resumed from the last commit in {path}", flush=True)
             state.on_reset()
+        elif owner:
+            # A first attempt never resumes: a file here was left by an earlier job.
+            commit_file.remove(path, "left by an earlier job (a first attempt starts from the initial state)")
         state.sync()
-        return func(state, *args, **kwargs)
+        result = func(state, *args, **kwargs)
+        if path is not None:
+            commit_file.writer.wait()
+            # Horovod: every rank finished; only then is the last commit of no more use to a restart.
+            barrier()
+            if owner and commit_file.is_default_location():
+                commit_file.remove(path)
+        return result
 
     return wrapper
 

@@ -1,4 +1,4 @@
-"""Where committed elastic state survives a torchrun restart.
+"""Where committed elastic state survives a torchrun restart, and which job it belongs to.
 
 torchrun (``--max-restarts N``) restarts *every* worker when one fails, so the
 in-memory commit of Horovod's elastic mode is lost with the processes. Under
@@ -6,27 +6,48 @@ torchrun, rank 0 therefore also writes each commit to
 
     $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
 
-atomically and durably (write, fsync, rename, fsync the directory). On a restart
+atomically and durably (write, fsync, rename, fsync the directory), on a
+background thread: ``commit()`` returns once the state is copied in memory, as
+Horovod's does, and one write is in flight at a time (the next commit, a
+``restore()`` and the end of ``hvd.elastic.run`` wait for it). A crash during a
+write leaves the previous commit, complete. On a restart
 (TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and ``state.sync()`` broadcasts
 it to the other ranks, which may run on other nodes. Outside torchrun nothing is
 written.
 
+The file belongs to one torchrun invocation (:func:`job_identity`), which it
+records:
+
+* a first attempt (restart count 0) never loads it, and rank 0 removes a file
+  left there by an earlier job before training starts;
+* a restart loads it only if this invocation wrote it; otherwise it prints one
+  line and starts from the initial state;
+* when ``hvd.elastic.run`` returns on every rank, rank 0 removes it from the
+  default directory (an explicit TRAINBRIDGE_ELASTIC_DIR keeps the last commit,
+  which no later job will load).
+
 The file is read with ``torch.load(..., weights_only=True)``, like every other
-checkpoint of trainbridge, so it may hold only what that loader accepts: tensors,
-numbers, strings, None, and dicts, lists and tuples of them (model, optimizer
-and sampler state_dicts all are). ``save`` checks this first and names the value
-that is not, instead of writing a file the restart could not read.
+checkpoint of trainbridge. Numpy scalars, enums, named tuples and defaultdicts
+are stored as plain values and rebuilt with their types on a restart
+(:mod:`.plain_values`); any other value that loader refuses fails ``commit()``
+with a ``TypeError`` naming it, instead of a file the restart could not read.
 """
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import socket
 import tempfile
+import threading
 from typing import Any, Mapping, Optional
 
 import torch
 
 from ...api.files import fsync_dir
+from .plain_values import from_plain, to_plain
+
+SHARED_RUN_ID = "none"  # torchrun's default --rdzv-id (static rendezvous): every such job has it
 
 
 def commit_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -46,40 +67,50 @@ def is_restart(environ: Optional[Mapping[str, str]] = None) -> bool:
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+def job_identity(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This torchrun invocation: the same in all its restarts, another in the next invocation.
+
+    The run id, unless it is torchrun's default "none" (plain ``torchrun --master-port``,
+    multi-node static rendezvous): then also the agent's own directory, which torchrun
+    creates afresh per invocation and passes in TORCHELASTIC_ERROR_FILE, or else the
+    agent's host and process id (the worker's parent, alive across restarts).
+    """
+    environ = os.environ if environ is None else environ
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id != SHARED_RUN_ID:
+        return run_id
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE", "")
+    agent = error_file.split(f"{os.sep}attempt_")[0] if f"{os.sep}attempt_" in error_file else \
+        f"{socket.gethostname()}:{os.getppid()}"
+    return f"{run_id}@{agent}"
 
 
-def check_plain(value: Any, where: str = "state") -> None:
-    """Raise TypeError naming the first value ``torch.load(weights_only=True)`` would refuse."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            check_plain(key, f"{where} key {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-    elif not isinstance(value, PLAIN):
-        raise TypeError(f"hvd.elastic: {where} is a {type(value).__name__}; the commit file holds only tensors, "
-                        f"numbers, strings, None and dicts/lists/tuples of them (it is loaded with "
-                        f"weights_only=True): store a state_dict or plain values instead")
+def check_plain(value: Any, where: str = "state") -> Any:
+    """``value`` as the commit file stores it (:func:`.plain_values.to_plain`); TypeError naming the first
+    value that ``torch.load(weights_only=True)`` would refuse."""
+    return to_plain(value, where)
 
 
-def save(snapshot: Any, path: str) -> None:
-    """Write ``snapshot`` to ``path`` so that a crash or power loss at any moment leaves the previous
-    commit or this one there, never a torn file.
+def save(snapshot: Any, path: str, job: str = "") -> None:
+    """Check and write ``snapshot`` now (see :func:`write`)."""
+    write(check_plain(snapshot), path, job)
+
+
+def write(plain: Any, path: str, job: str = "") -> None:
+    """Write ``plain`` (from :func:`check_plain`) for ``job`` to ``path`` so that a crash or power loss at any
+    moment leaves the previous commit or this one there, never a torn file.
 
     The same steps as trainbridge's checkpoint writer (``trainbridge.api.files.atomic_save``),
-    written out here because ``hvd`` does not depend on the training layers: a temporary file in
+    whose error message speaks of the trainbridge command line: a temporary file in
     the same directory, flushed and fsynced, renamed over ``path`` (atomic on POSIX), then the
     directory fsynced so that the rename itself is on disk.
     """
-    check_plain(snapshot)
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
     try:
         with open(partial, "wb") as f:
-            torch.save(snapshot, f)
+            torch.save({"job": job, "state": plain}, f)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -90,7 +121,74 @@ def save(snapshot: Any, path: str) -> None:
     fsync_dir(directory)  # the rename itself survives a power loss
 
 
-def load(path: str) -> Optional[Any]:
+def _read(path: str) -> Optional[dict]:
     if not os.path.exists(path):
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load(path: str, job: Optional[str] = None) -> Optional[Any]:
+    """The snapshot in ``path``; None if there is none or, when ``job`` is given, if another job wrote it."""
+    document = _read(path)
+    if document is None:
+        return None
+    written_by = document.get("job") if isinstance(document, dict) else None
+    if job is not None and written_by != job:
+        print(f"hvd.elastic: ignoring {path}: it was written by another torchrun job ({written_by or 'unknown'}, "
+              f"this is {job}); starting from the initial state (give each job its own --rdzv-id or "
+              f"TRAINBRIDGE_ELASTIC_DIR)", flush=True)
+        return None
+    return from_plain(document["state"])
+
+
+def remove(path: str, why: str = "") -> None:
+    """Delete the commit file (and the default directory, once empty); ``why`` is printed if there was one."""
+    if os.path.exists(path):
+        os.remove(path)
+        if why:
+            print(f"hvd.elastic: removed {path}: {why}", flush=True)
+    for partial in glob.glob(glob.escape(path) + ".*.partial"):  # a writer killed mid-write (torchrun stops
+        with contextlib.suppress(OSError):                       # every worker when one fails)
+            os.remove(partial)
+    if is_default_location():
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # once empty; an explicit TRAINBRIDGE_ELASTIC_DIR stays
+
+
+def is_default_location(environ: Optional[Mapping[str, str]] = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return "TRAINBRIDGE_ELASTIC_DIR" not in environ
+
+
+class CommitWriter:
+    """Writes commits on a thread, one at a time, in order; :meth:`wait` finishes the one in flight and
+    raises its error (a full disk) where a synchronous write would have."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, plain: Any, path: str, job: str) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                write(plain, path, job)
+            except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()
+                self._error = exc
+
+        # Not a daemon: an exiting process (a clean end, or a HorovodInternalError on its way to
+        # a torchrun restart) finishes the commit first.
+        self._thread = threading.Thread(target=run, name="trainbridge-hvd-commit-writer", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+writer = CommitWriter()

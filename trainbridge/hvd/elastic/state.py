@@ -1,9 +1,9 @@
 """Elastic state objects: what ``state.commit()`` saves and ``state.sync()`` shares.
 
-``save()`` copies the tracked values to host memory, ``restore()`` rolls back to
+``save()`` copies the tracked values in memory, ``restore()`` rolls back to
 the last save, ``sync()`` broadcasts rank 0's values to every rank. ``commit()``
-= ``save()`` plus, under torchrun, a write of the snapshot to the commit file
-(:mod:`.commit_file`) so that a restarted job resumes from it.
+= ``save()`` plus, under torchrun, a background write of the snapshot to the
+commit file (:mod:`.commit_file`) so that a restarted job resumes from it.
 """
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ class State:
         """Horovod's host-discovery notification; torchrun restarts the job instead."""
 
     def commit(self) -> None:
-        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it)."""
+        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it, in the
+        background: the call returns once the state is copied; a value the file cannot hold raises here)."""
         self.save()
         path = commit_file.commit_path()
         if path is not None and self._rank() == 0:
-            commit_file.save(self.snapshot(), path)
+            # The snapshot is private (save() copied it), so training may go on while it is written.
+            commit_file.writer.submit(commit_file.check_plain(self.snapshot()), path, commit_file.job_identity())
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -166,6 +168,8 @@ class TorchState(ObjectState):
         super().save()
 
     def restore(self) -> None:
+        # The optimizer may share the saved tensors after load_state_dict: finish writing them first.
+        commit_file.writer.wait()
         for handler in self._handlers.values():
             handler.restore()
         super().restore()

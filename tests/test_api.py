@@ -23,6 +23,7 @@ from conftest import (HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, Job, b
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
+OWN_LOOP_HELD = str(ROOT / "tests" / "api_scripts" / "own_loop_held.py")
 SCRIPTS = Path(__file__).resolve().parent / "api_scripts"
 STEPS = 75  # 3 epochs x 25 steps of 60 samples
 
@@ -44,14 +45,14 @@ def python(script, args):
     return [PYTHON, script, *args]
 
 
-def worker(job: Job, rank: int) -> psutil.Process:
-    """The own_loop.py worker of ``rank`` under a torchrun ``job`` (conftest's rank_process looks for trainbridge.train)."""
+def worker(job: Job, rank: int, script: str = OWN_LOOP) -> psutil.Process:
+    """The ``script`` worker of ``rank`` under a torchrun ``job`` (conftest's rank_process looks for trainbridge.train)."""
     for child in psutil.Process(job.proc.pid).children(recursive=True):
         try:
             environ, cmdline = child.environ(), child.cmdline()
         except psutil.Error:
             continue
-        if OWN_LOOP in cmdline and environ.get("RANK") == str(rank):
+        if script in cmdline and environ.get("RANK") == str(rank):
             return child
     pytest.fail(f"no own_loop.py worker with rank {rank} under {job.cmd[0]}:\n{job.output()[-3000:]}")
 
@@ -170,12 +171,15 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_next_launch_resumes(target
     # To rank 1 only: a node-local eviction notice. To torchrun's process group, as SLURM and
     # Kubernetes send it, with DataLoader workers that get it too: torchrun forwards it to each
     # worker's group. Before, with workers: "DataLoader worker (pid N) is killed by signal".
+    # The signalled ranks wait after step 30 until they have it: the 300 steps take about 1.5 s,
+    # and a signal sent after that (a slow test on a loaded machine) found training over.
     workers = ["--workers", "2"] if target == "the process group" else []
-    cmd = torchrun(2, OWN_LOOP, LONG + workers + ["--output-dir", str(tmp_path)])
-    job = Job(cmd, tmp_path / "log")
-    job.wait_for_output("epoch 1 step 25", timeout=120)
+    held = {"HOLD_RANKS": "1" if target == "rank 1" else "0,1"}
+    job = Job(torchrun(2, OWN_LOOP_HELD, LONG + workers + ["--output-dir", str(tmp_path)]), tmp_path / "log",
+              env=held)
+    job.wait_for_output("rank 1 holds after step 30", timeout=120)
     if target == "rank 1":
-        worker(job, 1).send_signal(signal.SIGTERM)
+        worker(job, 1, OWN_LOOP_HELD).send_signal(signal.SIGTERM)
     else:
         os.killpg(job.proc.pid, signal.SIGTERM)
     code = job.wait(timeout=90)
@@ -191,12 +195,12 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_next_launch_resumes(target
         assert sorted(exit_codes) == ["143", "143"], log[-3000:]
     assert "trainbridge: error" not in log, log[-3000:]
     stopped_at = int(stops[0])
-    assert 25 <= stopped_at < LONG_STEPS
+    assert 30 <= stopped_at <= 32  # the step the ranks were held at, and at most the next two (the agreement)
     checkpoint = torch.load(tmp_path / "last.pt", weights_only=True)
     # job.save gathered both ranks' RNG states at that step: both ranks were there.
     assert checkpoint["step"] == stopped_at and checkpoint["rng"]["world_size"] == 2
     assert len(checkpoint["rng"]["torch"]) == 2
-    result = check(run(cmd, timeout=240))
+    result = check(run(torchrun(2, OWN_LOOP, LONG + workers + ["--output-dir", str(tmp_path)]), timeout=240))
     assert re.search(rf"^resumed from .*last\.pt: epoch \d+, step {stopped_at}$", result.stdout, re.MULTILINE), \
         result.stdout
     final = load_final(tmp_path)

@@ -183,7 +183,8 @@ def _rotate(path: str, keep_previous: str) -> None:
     try:
         os.replace(path, keep_previous)
     except FileNotFoundError:
-        if os.path.exists(path):
+        # Not whether path exists now: another writer may have renamed it and written a new one since.
+        if not os.path.isdir(os.path.dirname(os.path.abspath(keep_previous))):
             raise  # keep_previous's folder is missing
 
 

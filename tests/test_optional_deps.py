@@ -99,5 +99,5 @@ def test_no_mpi4py_is_one_line_for_the_torch_backend_under_mpirun(tmp_path: Path
            *train_without("mpi4py", [*QUICK, "--backend", "torch", "--output-dir", str(tmp_path)])]
     result = run(cmd, timeout=120)
     assert result.returncode != 0
-    assert_one_clear_line(result, r'mpi4py is not installed, and the torch backend under mpirun .* needs it; '
+    assert_one_clear_line(result, r'mpi4py is not installed, and torch.distributed under mpirun .* needs it; '
                                   r'pip install "trainbridge\[mpi\]" adds it, or export MASTER_ADDR and MASTER_PORT')

@@ -49,7 +49,7 @@ def own_address(env: LaunchEnv, environ=None) -> str:
 
 
 def share_over_mpi(env: LaunchEnv) -> Tuple[str, int]:
-    MPI = require("mpi4py.MPI", "the torch backend under mpirun (rank 0 shares the rendezvous address over MPI)",
+    MPI = require("mpi4py.MPI", "torch.distributed under mpirun (rank 0 shares the rendezvous address over MPI)",
                   instead="or export MASTER_ADDR and MASTER_PORT to every rank (mpirun -x)")
     choice = (own_address(env), free_port()) if env.rank == 0 else None
     return MPI.COMM_WORLD.bcast(choice, root=0)

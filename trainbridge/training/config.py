@@ -225,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output-dir", default=d.output_dir, metavar="DIR",
-                   help=f"checkpoints, metrics.jsonl and reports; one job per folder, and a second run there resumes "
-                        f"the first (default: {d.output_dir})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
+                   help=f"where checkpoints, metrics.jsonl and reports are written; a later run in the same folder "
+                        f"resumes from its last.pt (see --resume), so give each run its own (default: {d.output_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY); the bar needs tqdm, this does not")
     p.add_argument("--log-every", type=int, default=d.log_every, help="read the loss back every N steps")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help="steps left out of the throughput and step-time figures")

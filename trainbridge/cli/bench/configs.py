@@ -100,8 +100,8 @@ def check_launchers(configs: List[BenchConfig]) -> None:
     for name in dict.fromkeys(c.launcher for c in configs if c.launcher):
         if find_launcher(name) is None:
             rows = ", ".join(c.key for c in configs if c.launcher == name)
-            raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH, and the rows {rows} "
-                            f"start it; install it, or leave those rows out with --only")
+            raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH, and it starts {rows}; "
+                            f"install it, or choose other rows with --only")
 
 
 def baseline_parser(description: str) -> argparse.ArgumentParser:

@@ -4,7 +4,8 @@
 #      two-host tests, when missing;
 #   2. .venv with torch==2.13.0, torchvision==0.28.0 (made importable on the CPU
 #      torch), mpi4py and Horovod 0.28.1 built from the sdist with the C++17 fix;
-#   3. trainbridge itself, editable.
+#   3. trainbridge itself, editable, with every extra but horovod (.[all]: the
+#      tasks' packages, mpi4py, and what the tests, the bench and the docs need).
 # A second run takes seconds: each step checks before it acts, and the built
 # Horovod wheel is cached in $TRAINBRIDGE_CACHE (default ~/.cache/trainbridge).
 set -euo pipefail
@@ -94,8 +95,9 @@ fi
 # --- 3. trainbridge, editable ------------------------------------------------
 if ! "$VPY" -c "import trainbridge, sys; sys.exit(0 if trainbridge.__file__.startswith('$ROOT') else 1)" 2>/dev/null \
    || [ setup.cfg -nt "$VENV/.trainbridge-installed" ]; then
-    log "installing trainbridge (editable) and its dependencies"
-    "${PIP[@]}" -e ".[test,bench,docs]"
+    log "installing trainbridge (editable) with .[all]"
+    # The pins keep the torch and torchvision installed above (setup.cfg only bounds them from below).
+    "${PIP[@]}" -e ".[all]" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
     touch "$VENV/.trainbridge-installed"
 fi
 log "ready: $VENV"

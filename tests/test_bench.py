@@ -7,14 +7,16 @@ import os
 import sys
 from pathlib import Path
 
-from conftest import PYTHON, check, run
+import pytest
+from conftest import PYTHON, TORCHRUN, check, run
 
 from trainbridge.training import step as train_step
 from trainbridge.cli.bench import cli as bench_cli
-from trainbridge.cli.bench.configs import COMPARED, BenchConfig, build_matrix, skip_reason
+from trainbridge.cli.bench.configs import COMPARED, BenchConfig, build_matrix, check_launchers, skip_reason
 from trainbridge.cli.bench.runner import CHECKPOINT_SUFFIXES, run_once
 from trainbridge.cli.bench.targets import TARGETS, evaluate
 from trainbridge.cli.bench.workloads import WORKLOADS
+from trainbridge.errors import UserError
 from trainbridge.training.step import cpu_has_bf16
 
 CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "trainbridge_loop",
@@ -119,6 +121,23 @@ def test_the_bf16_reference_row_is_skipped_with_its_reason_on_a_cpu_without_bf16
 def test_a_peer_whose_library_is_missing_is_skipped_with_the_install_command():
     config = BenchConfig("peer", "peer", "peer", "torchrun", 2, 1, ("python",), needs="no_such_library_here")
     assert skip_reason(config) == "no_such_library_here is not installed; pip install -e '.[bench]' installs the peers"
+
+
+def test_only_the_rows_that_run_need_their_launcher(tmp_path, monkeypatch, capsys):
+    """On a machine without horovodrun (neither beside this Python nor on the PATH), ``--only ddp_tutorial``
+    needs none; a Horovod row asked for is one line naming horovodrun and the rows that start it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").symlink_to(TORCHRUN)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    matrix = build_matrix(WORKLOADS["mnist-convnet"], 2, quick=True, cores=2)
+    check_launchers([c for c in matrix if c.key == "ddp_tutorial"])
+    with pytest.raises(UserError, match=r"^horovodrun is not installed .*it starts horovod_gloo, horovod_tutorial_gloo, "
+                                        r"horovod_mpi, horovod_tutorial_mpi; install it, or choose other rows"):
+        check_launchers(matrix)
+    assert bench_cli.main(["--quick", "--only", "horovod_gloo", "--out", str(tmp_path / "bench")]) == 2
+    assert "trainbridge: error: horovodrun is not installed" in capsys.readouterr().err
 
 
 def python_config(key: str, code: str) -> BenchConfig:

@@ -5,6 +5,7 @@ import sys
 from typing import List, Optional
 
 USAGE = """usage: trainbridge <command> [options]
+       trainbridge --version
 
 commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
@@ -19,6 +20,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from .. import __version__
+
+        print(f"trainbridge {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         from ..api import exit_process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import socket
@@ -19,7 +20,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import __version__
 from ..launch import detect_launch
+from ..optional import OPTIONAL
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trainbridge/cli/doctor.py -> trainbridge
 
 
 def version(package: str) -> str:
@@ -45,6 +50,13 @@ def horovod_build() -> List[Tuple[str, str]]:
     ]
 
 
+def missing_optional() -> str:
+    """The optional packages (:mod:`trainbridge.optional`) not installed here, each with the extra that adds it."""
+    missing = [f"{package} (pip install \"trainbridge[{extra}]\")" for module, (package, extra) in OPTIONAL.items()
+               if importlib.util.find_spec(module) is None]
+    return "missing: " + ", ".join(missing) if missing else "all installed"
+
+
 def report() -> List[Tuple[str, str]]:
     yes = {True: "yes", False: "no"}
     env = detect_launch()
@@ -54,6 +66,7 @@ def report() -> List[Tuple[str, str]]:
     except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
         tv = f"{version('torchvision')} (import fails: {exc})"
     rows = [
+        ("trainbridge", f"{__version__} ({PACKAGE_DIR})"),
         ("torch", torch.__version__),
         ("torchvision", tv),
         ("horovod", version("horovod")),
@@ -67,6 +80,7 @@ def report() -> List[Tuple[str, str]]:
         ("horovodrun", shutil.which("horovodrun") or "not found"),
     ]
     rows += horovod_build()
+    rows.append(("optional packages", missing_optional()))
     rows.append(("launcher", f"{env.launcher} (rank {env.rank} of {env.world_size}, local rank {env.local_rank} of {env.local_size})"))
     return rows
 

@@ -23,9 +23,9 @@ import sys
 from typing import List, Optional
 
 import numpy as np
-from PIL import Image, ImageDraw
 
 from ..errors import UserError
+from ..optional import require
 
 CLASSES = ("C0", "C2", "C4")
 IMAGES_PER_CLASS = {"Train": 40, "Validation": 12, "Test": 6}
@@ -56,8 +56,10 @@ def random_colour(rng: np.random.Generator, low: int = 0, high: int = 256) -> tu
     return tuple(int(c) for c in rng.integers(low, high, size=3))
 
 
-def draw_house(rng: np.random.Generator, damage: int) -> Image.Image:
+def draw_house(rng: np.random.Generator, damage: int) -> "PIL.Image.Image":
     """One picture; ``damage`` is 0 (C0), 1 (C2) or 2 (C4)."""
+    from PIL import Image, ImageDraw  # here: training on a folder (is_synthetic_sample) never draws
+
     width, height = (int(v) for v in rng.integers(SIZE_RANGE[0], SIZE_RANGE[1] + 1, size=2))
     image = Image.new("RGB", (width, height), random_colour(rng, 90, 200))  # sky
     draw = ImageDraw.Draw(image)
@@ -165,6 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        require("PIL", "trainbridge data make-sample")
         make_sample(args.out, seed=args.seed)
     except OSError as exc:  # a parent that is a file, no permission, a full disk
         print(f"trainbridge: error: cannot write the sample to {args.out}: {exc.strerror or exc}; "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
-from PIL import Image
 from torch.utils.data import Dataset
 
 from ..errors import UserError, first_line
@@ -54,6 +53,8 @@ def class_folders(split_dir: str) -> List[str]:
 
 def check_image(path: str) -> None:
     """Decode ``path`` (JPEGs at reduced scale, which is fast) or raise UserError naming it."""
+    from PIL import Image  # pillow is an optional package, checked by the task (trainbridge.optional)
+
     try:
         with Image.open(path) as image:
             image.draft("RGB", (64, 64))  # JPEG only: decode at 1/8 scale; still reads the whole stream

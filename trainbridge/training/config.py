@@ -15,7 +15,9 @@ from ..backends import BACKENDS
 from ..backends.base import COMPRESSIONS
 from ..errors import UserError
 from ..models import CLASSIFIERS, MODELS
+from ..optional import check_installed
 from ..tasks import TASKS, create_task
+from .metrics import PROGRESS_BAR
 
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0
 DEFAULT_LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3}
@@ -131,7 +133,9 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        task.validate_config(self)  # the task's own options and data layout
+        task.validate_config(self)  # the task's own options, libraries and data layout
+        if not self.no_progress:
+            check_installed(["tqdm"], PROGRESS_BAR, instead="or pass --no-progress")
         check_output_dir(self.output_dir)
         if self.data_root is not None and not os.path.isdir(self.data_root):
             raise UserError(f"--data-root {self.data_root} does not exist; create it or point to the "
@@ -205,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-root", default=None,
                    help=f"mnist: folder holding MNIST/ (default: {DEFAULT_DATA_ROOT}); designsafe (required): "
                         f"folder with Train/<class>/, Validation/<class>/ and optionally Test/<class>/")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help=f"passes over the training set (default: {d.epochs}); --max-steps may stop earlier")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
     p.add_argument("--lr", type=float, default=None,
@@ -219,8 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plateau: epochs without a lower val loss before the learning rate drops 10x (default: 2)")
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--output-dir", default=d.output_dir)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
+    p.add_argument("--output-dir", default=d.output_dir, metavar="DIR",
+                   help=f"where checkpoints, metrics.jsonl and reports are written; a later run in the same folder "
+                        f"resumes from its last.pt (see --resume), so give each run its own (default: {d.output_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY); the bar needs tqdm, this does not")
     p.add_argument("--log-every", type=int, default=d.log_every, help="read the loss back every N steps")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help="steps left out of the throughput and step-time figures")

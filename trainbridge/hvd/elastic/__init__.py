@@ -45,7 +45,6 @@ def run(func: Callable) -> Callable:
         state.sync()
         result = func(state, *args, **kwargs)
         if path is not None:
-            commit_file.writer.wait()
             # Horovod: every rank finished; only then is the last commit of no more use to a restart.
             barrier()
             if owner and commit_file.is_default_location():

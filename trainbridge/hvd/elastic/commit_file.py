@@ -6,11 +6,11 @@ torchrun, rank 0 therefore also writes each commit to
 
     $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
 
-atomically and durably (write, fsync, rename, fsync the directory), on a
-background thread: ``commit()`` returns once the state is copied in memory, as
-Horovod's does, and one write is in flight at a time (the next commit, a
-``restore()`` and the end of ``hvd.elastic.run`` wait for it). A crash during a
-write leaves the previous commit, complete. On a restart
+atomically and durably (write, fsync, rename, fsync the directory) before
+``commit()`` returns, so the commit that returned is the one a restart finds.
+(Written on a thread, it was lost when torchrun stopped rank 0 right after a
+peer's crash, and the restart went back one commit.) A crash during a write
+leaves the previous commit, complete. On a restart
 (TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and ``state.sync()`` broadcasts
 it to the other ranks, which may run on other nodes. Outside torchrun nothing is
 written.
@@ -39,12 +39,12 @@ import glob
 import os
 import socket
 import tempfile
-import threading
 from typing import Any, Mapping, Optional
 
 import torch
 
 from ...api.files import fsync_dir
+
 from .plain_values import from_plain, to_plain
 
 SHARED_RUN_ID = "none"  # torchrun's default --rdzv-id (static rendezvous): every such job has it
@@ -158,37 +158,3 @@ def remove(path: str, why: str = "") -> None:
 def is_default_location(environ: Optional[Mapping[str, str]] = None) -> bool:
     environ = os.environ if environ is None else environ
     return "TRAINBRIDGE_ELASTIC_DIR" not in environ
-
-
-class CommitWriter:
-    """Writes commits on a thread, one at a time, in order; :meth:`wait` finishes the one in flight and
-    raises its error (a full disk) where a synchronous write would have."""
-
-    def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-
-    def submit(self, plain: Any, path: str, job: str) -> None:
-        self.wait()
-
-        def run() -> None:
-            try:
-                write(plain, path, job)
-            except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()
-                self._error = exc
-
-        # Not a daemon: an exiting process (a clean end, or a HorovodInternalError on its way to
-        # a torchrun restart) finishes the commit first.
-        self._thread = threading.Thread(target=run, name="trainbridge-hvd-commit-writer", daemon=False)
-        self._thread.start()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-
-writer = CommitWriter()

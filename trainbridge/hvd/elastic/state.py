@@ -2,7 +2,7 @@
 
 ``save()`` copies the tracked values in memory, ``restore()`` rolls back to
 the last save, ``sync()`` broadcasts rank 0's values to every rank. ``commit()``
-= ``save()`` plus, under torchrun, a background write of the snapshot to the
+= ``save()`` plus, under torchrun, a write of the snapshot to the
 commit file (:mod:`.commit_file`) so that a restarted job resumes from it.
 """
 from __future__ import annotations
@@ -39,13 +39,12 @@ class State:
         """Horovod's host-discovery notification; torchrun restarts the job instead."""
 
     def commit(self) -> None:
-        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it, in the
-        background: the call returns once the state is copied; a value the file cannot hold raises here)."""
+        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it before
+        returning; a value the file cannot hold raises here)."""
         self.save()
         path = commit_file.commit_path()
         if path is not None and self._rank() == 0:
-            # The snapshot is private (save() copied it), so training may go on while it is written.
-            commit_file.writer.submit(commit_file.check_plain(self.snapshot()), path, commit_file.job_identity())
+            commit_file.save(self.snapshot(), path, commit_file.job_identity())
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -168,8 +167,6 @@ class TorchState(ObjectState):
         super().save()
 
     def restore(self) -> None:
-        # The optimizer may share the saved tensors after load_state_dict: finish writing them first.
-        commit_file.writer.wait()
         for handler in self._handlers.values():
             handler.restore()
         super().restore()

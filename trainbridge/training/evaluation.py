@@ -53,7 +53,6 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_siz
         for name, value in batch.items():
             sums[name] = sums.get(name, 0) + value
         count += len(targets)
-        job.heartbeat()
     model.train(was_training)
     # The metric names come from the batches: a rank with an empty shard (fewer samples than ranks) has none.
     names = sorted({name for ranks in job.allgather_object(sorted(sums)) for name in ranks})

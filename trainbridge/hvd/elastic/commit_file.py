@@ -92,19 +92,15 @@ def check_plain(value: Any, where: str = "state") -> Any:
 
 
 def save(snapshot: Any, path: str, job: str = "") -> None:
-    """Check and write ``snapshot`` now (see :func:`write`)."""
-    write(check_plain(snapshot), path, job)
-
-
-def write(plain: Any, path: str, job: str = "") -> None:
-    """Write ``plain`` (from :func:`check_plain`) for ``job`` to ``path`` so that a crash or power loss at any
-    moment leaves the previous commit or this one there, never a torn file.
+    """Check ``snapshot`` (:func:`check_plain`) and write it for ``job`` to ``path`` so that a crash or power
+    loss at any moment leaves the previous commit or this one there, never a torn file.
 
     The same steps as trainbridge's checkpoint writer (``trainbridge.api.files.atomic_save``),
     whose error message speaks of the trainbridge command line: a temporary file in
     the same directory, flushed and fsynced, renamed over ``path`` (atomic on POSIX), then the
     directory fsynced so that the rename itself is on disk.
     """
+    plain = check_plain(snapshot)  # before anything is written
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"

@@ -48,6 +48,7 @@ def evaluate(job, model, dataset):
 
 def main(args) -> None:
     job = tb.init(backend=args.backend, timeout=args.timeout)
+    job.print(f"{job.world_size} rank(s) under {job.launcher}: backend {job.backend_name}, device {job.device}")
     if args.global_batch % job.world_size:
         raise tb.UserError(f"--global-batch {args.global_batch} is not divisible by the {job.world_size} ranks; "
                            f"pick a multiple of {job.world_size}", quiet=not job.is_main)  # one line, from rank 0

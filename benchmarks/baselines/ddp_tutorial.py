@@ -26,13 +26,14 @@ from trainbridge.cli.bench.measure import StepTimer, leave, rank_performance, wr
 from trainbridge.cli.bench.workloads import WORKLOADS
 
 
-def evaluate(model, loader):
+def evaluate(model, loader, device):
     """Accuracy and the number of samples counted, summed over ranks."""
     model.eval()
-    counts = torch.zeros(2)  # correct, counted
+    counts = torch.zeros(2, device=device)  # correct, counted
     with torch.no_grad():
         for data, target in loader:
-            counts += torch.tensor([(model(data).argmax(dim=1) == target).sum().item(), len(target)])
+            data, target = data.to(device), target.to(device)
+            counts += torch.tensor([(model(data).argmax(dim=1) == target).sum().item(), len(target)], device=device)
     dist.all_reduce(counts)
     model.train()
     return (counts[0] / counts[1]).item(), int(counts[1])
@@ -42,21 +43,28 @@ def main():
     args = baseline_parser("hand-written DDP baseline").parse_args()
     workload = WORKLOADS[args.workload]
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # The tutorial's device choice: one GPU per process over nccl where there are GPUs, else the CPU over gloo.
+    use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     dataset = workload.dataset()
     # DDP: each process reads its own shard of the data.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     workers = workload.workers(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    train_loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler, num_workers=workers)
+    train_loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler, num_workers=workers,
+                              pin_memory=use_cuda)
     val_set = workload.eval_dataset()
     val_loader = DataLoader(val_set, batch_size=workload.batch_size, num_workers=workers,
-                            sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False))
+                            sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False),
+                            pin_memory=use_cuda)
 
     torch.manual_seed(args.seed)
     # DDP: broadcasts rank 0's weights, then averages gradients during backward.
-    model = DDP(workload.model())
+    model = DDP(workload.model().to(device), device_ids=[device.index] if use_cuda else None)
     optimizer = workload.optimizer(model.parameters())
     scheduler = StepLR(optimizer, step_size=1, gamma=workload.gamma)
 
@@ -67,6 +75,7 @@ def main():
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch
         model.train()
         for batch_idx, (data, target) in enumerate(train_loader):
+            data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
             optimizer.zero_grad()
             output = model(data)
             loss = F.cross_entropy(output, target)
@@ -80,7 +89,7 @@ def main():
             if step >= args.steps:
                 break
         timer.pause()
-        accuracy, val_samples = evaluate(model, val_loader)
+        accuracy, val_samples = evaluate(model, val_loader, device)
         if rank == 0:
             print(f"Epoch {epoch + 1}: val accuracy {accuracy:.4f} ({val_samples} samples)")
             # DDP: every rank holds the same weights, so one rank saves them.

@@ -26,10 +26,11 @@ from trainbridge.cli.bench.workloads import WORKLOADS
 def evaluate(fabric, model, loader):
     """Accuracy and the number of samples counted, summed over ranks."""
     model.eval()
-    counts = torch.zeros(2)  # correct, counted
+    counts = torch.zeros(2, device=fabric.device)  # correct, counted
     with torch.no_grad():
         for data, target in loader:
-            counts += torch.tensor([(model(data).argmax(dim=-1) == target).sum().item(), len(target)])
+            counts += torch.tensor([(model(data).argmax(dim=-1) == target).sum().item(), len(target)],
+                                   device=fabric.device)
     counts = fabric.all_reduce(counts, reduce_op="sum")
     model.train()
     return (counts[0] / counts[1]).item(), int(counts[1])
@@ -41,7 +42,7 @@ def main():
     torch.set_num_threads(args.threads)
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # Under torchrun Fabric joins the launched processes instead of starting its own.
-    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=local_size,
+    fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu", strategy="ddp", devices=local_size,
                     num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local_size)
     fabric.launch()
     fabric.seed_everything(args.seed)

@@ -28,7 +28,7 @@ def evaluate(job, model, dataset, batch_size, workers):
     model.eval()
     counts = torch.zeros(2, device=job.device)  # correct, counted
     for data, target in job.eval_loader(dataset, batch_size, num_workers=workers):
-        counts += torch.stack([(model(data).argmax(dim=-1) == target).sum(), torch.tensor(len(target))]).float()
+        counts += torch.stack([(model(data).argmax(dim=-1) == target).sum(), torch.tensor(len(target), device=job.device)]).float()
     model.train()
     correct, counted = job.allreduce(counts, "sum").tolist()
     return correct / counted, int(counted)

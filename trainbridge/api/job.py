@@ -54,7 +54,7 @@ RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save 
 
 
 def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "auto", threads: int = 0,
-         malloc_tuning: str = "auto") -> "Job":
+         malloc_tuning: str = "auto", deterministic: bool = False) -> "Job":
     """Join the job this process was launched into and return its :class:`Job`.
 
     ``backend``: auto (by launcher), torch, horovod or local. ``timeout``: seconds a
@@ -62,6 +62,9 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     job fails with one line instead of hanging. ``dist_backend``: auto, nccl or
     gloo (torch backend). ``threads``: intra-op threads per rank (0: the cores
     shared among local ranks). ``malloc_tuning``: auto or off (glibc heap settings).
+    ``deterministic``: on GPUs, only kernels that give the same bits every run, so that
+    two runs, or a run and its resume, agree bitwise (CPU kernels already do); some
+    GPU kernels are slower so.
     """
     sys.excepthook = _excepthook  # from here on, bad input is one line
     if _errors.job is not None:
@@ -71,6 +74,8 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
     threads = _set_threads(threads, env)
+    if deterministic:
+        _use_deterministic_kernels()
     # Before the data and the model exist, so that every buffer comes from the tuned heap.
     tuned, why = tune_malloc(malloc_tuning, os.environ)
     chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
@@ -95,6 +100,17 @@ def _set_threads(requested: int, env: LaunchEnv) -> int:
     threads = requested or max(1, available_cores() // max(1, env.local_size))
     torch.set_num_threads(threads)
     return threads
+
+
+def _use_deterministic_kernels() -> None:
+    # Some GPU kernels sum in an order that changes from run to run (cuDNN's atomic
+    # adds, cuBLAS's split reductions), so the last bits of the weights differ between
+    # two runs and between a run and its resume. Before any CUDA work: cuBLAS reads its
+    # workspace setting when it starts. An operation with no deterministic kernel warns.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class Job:

@@ -181,9 +181,10 @@ class TorchBackend(Backend):
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         assert op in REDUCE_OPS, op
-        out = tensor.detach().clone()
+        # nccl reduces GPU tensors only: a CPU tensor goes through this rank's device and comes back.
+        out = tensor.detach().to(self.device, copy=True)
         dist.all_reduce(out, op=_REDUCE[op])
-        return out / self.world_size if op == "mean" else out
+        return (out / self.world_size if op == "mean" else out).to(tensor.device)
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
         assert op in REDUCE_OPS, op

@@ -31,7 +31,7 @@ def run_worker(cfg: TrainConfig) -> int:
     try:
         cfg.validate()
         job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, threads=cfg.threads,
-                   malloc_tuning=cfg.malloc_tuning)
+                   malloc_tuning=cfg.malloc_tuning, deterministic=cfg.deterministic)
         claim_output_dir(cfg.output_dir, job)  # one job per --output-dir, before anything there is read or moved
         train(cfg, job)
         finished = True

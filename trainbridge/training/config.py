@@ -55,6 +55,7 @@ class TrainConfig:
     fail_at_step: Optional[int] = None
     fail_rank: int = 1
     allow_option_changes: bool = False
+    deterministic: bool = False
     # Speed (see README "Performance"):
     amp: str = "off"
     compression: str = "none"
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plateau: epochs without a lower val loss before the learning rate drops 10x (default: 2)")
     p.add_argument("--scale-lr", action="store_true", help="multiply the learning rate by the world size")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--deterministic", action="store_true",
+                   help="on GPUs, only kernels that give the same bits every run: reruns and resumes then agree "
+                        "bitwise, as on CPUs, at some cost in speed (default: off)")
     p.add_argument("--output-dir", default=d.output_dir, metavar="DIR",
                    help=f"where checkpoints, metrics.jsonl and reports are written; a later run in the same folder "
                         f"resumes from its last.pt (see --resume), so give each run its own (default: {d.output_dir})")

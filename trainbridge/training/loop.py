@@ -262,7 +262,7 @@ class Run:
         return {"epoch": p.epoch + (1 if p.position else 0) or 1, "step": p.step,
                 **evaluate(job.unwrap(self.model), self.task, "val", job, cfg.batch_size),
                 "lr": self.state.optimizer.param_groups[0]["lr"], "backend": job.backend_name,
-                "world_size": job.world_size, "launcher": job.launcher,
+                "world_size": job.world_size, "launcher": job.launcher, "device": str(job.device),
                 "seconds": round(time.time() - self.started, 3), "samples": p.samples}
 
     def end_of_epoch(self, loss_sum: torch.Tensor, seen: torch.Tensor) -> Dict[str, float]:

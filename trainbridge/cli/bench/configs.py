@@ -123,9 +123,17 @@ PEERS = ("ddp_tutorial", "accelerate", "fabric")  # what users would pick instea
 COMPARED = ("torch_gloo", "trainbridge_loop", *PEERS)  # also run with 3 ranks to count validation samples
 
 
-def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) -> List[BenchConfig]:
-    """Every configuration, baseline and peer for ``workload``, with ``nproc`` processes where distributed."""
+def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0,
+                 gpu: Optional[bool] = None) -> List[BenchConfig]:
+    """Every configuration, baseline and peer for ``workload``, with ``nproc`` processes where distributed.
+
+    Where there are GPUs (``gpu``: default, whether CUDA is available) every row trains
+    on them, one per process, over nccl; else on the CPUs.
+    """
+    import torch  # only when the matrix is run
+
     cores = cores or available_cores()
+    gpu = torch.cuda.is_available() if gpu is None else gpu
     steps, warmup = workload.steps(quick)
     python = sys.executable
     # A launcher this machine lacks stays a bare name here: check_launchers names it if a row that runs needs it.
@@ -155,16 +163,16 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0) ->
                     1, all_cores, (python, *baseline("bare_loop.py", all_cores))),
         BenchConfig("local_1_thread", "trainbridge local, 1 thread on 1 core (unit)", "trainbridge",
                     "1 process, 1 thread", 1, one, (python, *trainbridge("local", one)), pinned=True),
-        BenchConfig("torch_gloo", f"trainbridge torch/gloo {n}", "trainbridge", f"torchrun {n}",
+        BenchConfig("torch_gloo", f"trainbridge torch/{'nccl' if gpu else 'gloo'} {n}", "trainbridge", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
         BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
         BenchConfig("trainbridge_loop", f"trainbridge API, own loop {n}", "trainbridge", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["trainbridge_loop"], per_rank))),
         # Without ACCELERATE_USE_CPU=1 Accelerate under torchrun on a CPU trains each rank alone.
-        BenchConfig("accelerate", f"Accelerate {n} (ACCELERATE_USE_CPU=1)", "peer", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["accelerate"], per_rank)),
-                    env=(("ACCELERATE_USE_CPU", "1"),), needs="accelerate"),
+        BenchConfig("accelerate", f"Accelerate {n}" + ("" if gpu else " (ACCELERATE_USE_CPU=1)"), "peer",
+                    f"torchrun {n}", nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["accelerate"], per_rank)),
+                    env=() if gpu else (("ACCELERATE_USE_CPU", "1"),), needs="accelerate"),
         BenchConfig("fabric", f"Lightning Fabric {n}", "peer", f"torchrun {n}",
                     nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["fabric"], per_rank)), needs="lightning"),
         # The same job with gradients through gloo instead of shared memory: what --shm-allreduce buys.

@@ -37,8 +37,9 @@ def config_table(configs: Dict[str, Dict[str, Any]]) -> List[str]:
 def peer_table(configs: Dict[str, Dict[str, Any]], val_set_size: Optional[int]) -> List[str]:
     """Whole runs side by side: what a user choosing between trainbridge and its peers feels."""
     lines = [f"| run | wall time, launch to exit (s) | time to first step (s) | samples/s, steady state "
-             f"| validation samples counted with 3 ranks (of {val_set_size or 'n/a'}) | wall time per repeat (s) |",
-             "|---|---:|---:|---:|---:|---|"]
+             f"| validation samples counted with 3 ranks (of {val_set_size or 'n/a'}) | wall time per repeat (s) "
+             f"| GPU busy, launch to exit |",
+             "|---|---:|---:|---:|---:|---|---:|"]
     for key in COMPARED:
         c = configs.get(key)
         if not c or c["status"] == "skipped":
@@ -47,7 +48,7 @@ def peer_table(configs: Dict[str, Dict[str, Any]], val_set_size: Optional[int]) 
         counted = c.get("val_samples_3_ranks")
         lines.append(f"| {c['label']} (`{key}`) | {fmt(c.get('wall_seconds'), '.1f')} "
                      f"| {fmt(c.get('first_step_seconds'), '.1f')} | {fmt(c['samples_per_second'], ',.0f')} "
-                     f"| {counted if counted is not None else 'n/a'} | {walls} |")
+                     f"| {counted if counted is not None else 'n/a'} | {walls} | {fmt(c.get('gpu_busy'), '.0%')} |")
     return lines
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import psutil
 
 from .configs import COMPARED, REPO_ROOT, BenchConfig, build_matrix
+from .gpu_busy import GpuBusy
 from .workloads import Workload
 from .measure import read_final
 
@@ -66,6 +67,7 @@ class RunResult:
     foreign_cpu: Optional[float]  # share of all cores busy with other processes' work during the run
     samples_per_second: Optional[float] = None
     first_step_seconds: Optional[float] = None  # launch to the end of rank 0's first optimizer step
+    gpu_busy: Optional[float] = None  # share of the wall time a kernel ran on the GPUs (None without one)
     val_samples: Optional[int] = None  # validation samples the run's own metric code counted
     step_time_median: Optional[float] = None
     step_time_p90: Optional[float] = None
@@ -149,7 +151,8 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
     busy0, ours0, start, launched = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter(), time.time()
-    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.cores_used if config.pinned else 0):
+    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.cores_used if config.pinned else 0), \
+            GpuBusy() as gpu:
         proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 env={**run_environment(config.threads), **dict(config.env)}, cwd=str(REPO_ROOT),
                                 start_new_session=True)
@@ -162,7 +165,7 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     foreign = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - ours0)
     foreign_share = max(0.0, foreign / (wall * (psutil.cpu_count() or 1))) if wall > 0 else None
     result = RunResult(config.key, repeat, "ok", round(wall, 2), foreign_share and round(foreign_share, 3),
-                       log_dir=str(run_dir), exit_code=code)
+                       log_dir=str(run_dir), exit_code=code, gpu_busy=gpu.fraction)
     # The bench keeps logs, metrics and reports, not weights: a DesignSafe ResNet34 run
     # leaves about 800 MB of checkpoints (last, previous, best, final; the peers' in their formats).
     for path in sorted(run_dir.rglob("*"), reverse=True):  # files before the folders that hold them
@@ -246,7 +249,13 @@ def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path,
 
     A padded evaluation shard counts some samples twice; an exact one counts the set's size.
     """
-    three = {c.key: c for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores)}
+    import torch
+
+    # One GPU per rank: with fewer GPUs than that, the count (a property of each row's metric code) runs on the CPUs.
+    on_gpus = torch.cuda.device_count() >= COUNT_RANKS
+    hidden = () if on_gpus or not torch.cuda.is_available() else (("CUDA_VISIBLE_DEVICES", ""),)
+    three = {c.key: dataclasses.replace(c, env=c.env + hidden)
+             for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores, gpu=on_gpus)}
     return {key: run_once(three[key], 0, out_dir / key / f"{COUNT_RANKS}-ranks", timeout)
             for key in keys if key in COMPARED}
 
@@ -274,6 +283,7 @@ def aggregate(config: BenchConfig, runs: List[RunResult], skipped: Optional[str]
         "step_time_p90": median_or_none([r.step_time_p90 for r in ok]),
         "wall_seconds": median_or_none([r.wall_seconds for r in ok]),
         "first_step_seconds": median_or_none([r.first_step_seconds for r in ok]),
+        "gpu_busy": median_or_none([r.gpu_busy for r in ok]),
         "val_samples": median_or_none([r.val_samples for r in ok]),
         "peak_rss_mb_per_rank": [statistics.median(col) for col in zip(*rss)] if rss else None,
         "foreign_cpu_median": median_or_none([r.foreign_cpu for r in runs]),

@@ -2,6 +2,7 @@
 # The GPU checks recorded in benchmarks/GPU.md, in one run, on a machine with CUDA.
 #
 #   bash scripts/gpu_check.sh OUTDIR
+#   ONLY="tests bench" PYTEST_ARGS=--timeout=100 bash scripts/gpu_check.sh OUTDIR
 #
 # No set-up: it uses the machine's own python3 with its torch (and Accelerate,
 # Lightning, nvidia-ml-py for the peer rows), and trainbridge from this checkout.
@@ -16,10 +17,15 @@ OUT=$(realpath -m "${1:-runs/gpu}")
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages the machine lacks (mlxtend), brought as wheels
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-check-site .whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/gpu-check-site
+fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2 start rc
     shift 2
+    [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || return 0  # ONLY="tests bench": just those steps
     echo "=== $name (limit ${limit}s): $*"
     start=$(date +%s)
     timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -35,7 +41,11 @@ step machine 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total
   $PY -m pip list 2>/dev/null | grep -iE '^(accelerate|lightning|lightning-fabric|nvidia-ml-py|mpi4py|horovod|torchvision) '; \
   $PY -c 'import horovod' 2>&1 | tail -1; $PY -m trainbridge doctor"
 
-step tests 240 "$PY" -m pytest -v -p no:cacheprovider --durations=0 tests/test_cuda.py
+# One rank over nccl, with nccl's warnings: what the tests below build on.
+step nccl 60 env NCCL_DEBUG=WARN "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/own_loop.py --epochs 1 \
+    --output-dir "$(mktemp -d)/nccl"
+
+step tests 240 "$PY" -m pytest -v -p no:cacheprovider --durations=0 ${PYTEST_ARGS:-} tests/test_cuda.py
 
 # Two identical runs of the default MNIST model (dropout, convolutions) without and with --deterministic.
 determinism() {

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 OWN_LOOP = REPO / "examples" / "own_loop.py"
 CUDA_PATHS = REPO / "tests" / "api_scripts" / "cuda_paths.py"
 HVD_CUDA = REPO / "tests" / "hvd_scripts" / "cuda_collectives.py"
-TIMEOUT = 240
+TIMEOUT = 90
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -104,7 +104,7 @@ MNIST = ["-m", "trainbridge.train", "--dataset", "mnist-sample", "--seed", "7", 
          "--backend", "local"]
 
 
-@pytest.mark.parametrize("amp", ["off", "fp16", "bf16"])
+@pytest.mark.parametrize("amp", ["off", "fp16"])
 def test_a_resumed_gpu_run_is_bitwise_the_uninterrupted_one_with_deterministic(amp, tmp_path):
     """The default model has dropout (CUDA's RNG) and convolutions (cuDNN): --deterministic makes both repeatable."""
     args = [*MNIST, "--amp", amp, "--deterministic"]

@@ -11,6 +11,7 @@ Lines for tests/test_cuda.py:
     TRAIN amp=<mode> scaler=<bool> scale=<loss scale or none> out_dtype=<dtype> first_loss=<f> last_loss=<f> finite=<bool>
     SAVE background=<bool> equal=<bool> file_device=<device of the tensors in the file>
 """
+import faulthandler
 import sys
 
 import torch
@@ -21,6 +22,7 @@ from torch.utils.data import TensorDataset
 import trainbridge as tb
 
 out, amp = sys.argv[1], sys.argv[2]
+faulthandler.dump_traceback_later(60, exit=True)  # a hang prints every thread's stack and ends the run
 job = tb.init(timeout=60)
 job.print(f"JOB {job!r} pg={dist.get_backend() if dist.is_initialized() else 'none'}")
 

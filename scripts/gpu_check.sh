@@ -45,7 +45,7 @@ step machine 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total
 step nccl 60 env NCCL_DEBUG=WARN "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/own_loop.py --epochs 1 \
     --output-dir "$(mktemp -d)/nccl"
 
-step tests 240 "$PY" -m pytest -v -p no:cacheprovider --durations=0 ${PYTEST_ARGS:-} tests/test_cuda.py
+step tests 420 "$PY" -m pytest -v -p no:cacheprovider --durations=0 ${PYTEST_ARGS:-} tests/test_cuda.py
 
 # Two identical runs of the default MNIST model (dropout, convolutions) without and with --deterministic.
 determinism() {

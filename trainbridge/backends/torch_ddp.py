@@ -9,6 +9,7 @@ disagree fail with both numbers instead of waiting forever.
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import Any, Callable, List, Tuple
 
 import torch
@@ -43,6 +44,11 @@ def shm_average_hook(exchange: ShmAllreduce, bucket):
 
 
 # --compression: DDP comm hooks, by (compression, process group backend).
+# DDP's switch for the per-forward broadcast of rank 0's buffers (see wrap): torch 2.13
+# renamed broadcast_buffers to forward_sync_buffers.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                          else {"broadcast_buffers": False})
 _COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook, ("fp16", "gloo"): default_hooks.fp16_compress_hook,
                    ("bf16", "nccl"): default_hooks.bf16_compress_hook, ("bf16", "gloo"): bf16_compress_hook_gloo}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
@@ -130,9 +136,8 @@ class TorchBackend(Backend):
         # (frozen BatchNorm layers, in eval mode, never change theirs), and rank
         # 0's buffers, the only ones saved, are the same either way. Every rank gets
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
-        # (torch 2.13's name for the older broadcast_buffers=False.)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = PreparedDDP(model, device_ids=device_ids, gradient_as_bucket_view=True, forward_sync_buffers=False,
+        ddp = PreparedDDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC,
                           find_unused_parameters=exchange.find_unused_parameters)
         shm = self.exchange = self._shared_memory_exchange(model, exchange)
         if exchange.compression != "none":

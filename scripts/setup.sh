@@ -3,9 +3,10 @@
 #   1. Open MPI from Debian, when mpirun is missing; SLURM and sshd for the
 #      two-host tests, when missing;
 #   2. .venv with torch==2.13.0, torchvision==0.28.0 (made importable on the CPU
-#      torch), mpi4py and Horovod 0.28.1 built from the sdist with the C++17 fix;
+#      torch) and mpi4py;
 #   3. trainbridge itself, editable, with every extra but horovod (.[all]: the
-#      tasks' packages, mpi4py, and what the tests, the bench and the docs need).
+#      tasks' packages, mpi4py, and what the tests, the bench and the docs need);
+#   4. Horovod 0.28.1 from its sdist with the C++17 fix: `trainbridge build-horovod`.
 # A second run takes seconds: each step checks before it acts, and the built
 # Horovod wheel is cached in $TRAINBRIDGE_CACHE (default ~/.cache/trainbridge).
 set -euo pipefail
@@ -66,32 +67,6 @@ echo "import _trainbridge_torchvision_cpu_ops; _trainbridge_torchvision_cpu_ops.
 
 "$VPY" -c "import mpi4py" 2>/dev/null || { log "installing mpi4py"; "${PIP[@]}" mpi4py; }
 
-# --- Horovod 0.28.1 with the C++17 fix (upstream PR #3998) -------------------
-if ! "$VPY" -c "import horovod.torch" 2>/dev/null; then
-    TAG=$("$VPY" -c "import sys, torch; print(f'py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}')")
-    WHEELDIR="$CACHE/horovod-$HOROVOD_VERSION-$TAG"
-    if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
-        log "building Horovod $HOROVOD_VERSION (about 3 minutes on 2 cores; cached in $WHEELDIR)"
-        "${PIP[@]}" packaging wheel setuptools
-        # Horovod's bundled gloo needs CMake < 4 (it declares a minimum below 3.5).
-        command -v cmake >/dev/null 2>&1 || "${PIP[@]}" "cmake<4"
-        BUILD=$(mktemp -d)
-        "$VPY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
-        tar -xzf "$BUILD"/horovod-*.tar.gz -C "$BUILD"
-        SRC=$(echo "$BUILD"/horovod-$HOROVOD_VERSION)
-        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-        grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || { echo "[setup] C++17 patch did not apply" >&2; exit 1; }
-        mkdir -p "$WHEELDIR"
-        ( cd "$SRC" && PATH="$VENV/bin:$PATH" \
-          HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-          HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
-          "$VPY" -m pip wheel -q --no-build-isolation --no-deps . -w "$WHEELDIR" )
-        rm -rf "$BUILD"
-    fi
-    log "installing Horovod from $WHEELDIR"
-    "${PIP[@]}" "$WHEELDIR"/horovod-*.whl
-fi
-
 # --- 3. trainbridge, editable ------------------------------------------------
 if ! "$VPY" -c "import trainbridge, sys; sys.exit(0 if trainbridge.__file__.startswith('$ROOT') else 1)" 2>/dev/null \
    || [ setup.cfg -nt "$VENV/.trainbridge-installed" ]; then
@@ -100,4 +75,6 @@ if ! "$VPY" -c "import trainbridge, sys; sys.exit(0 if trainbridge.__file__.star
     "${PIP[@]}" -e ".[all]" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
     touch "$VENV/.trainbridge-installed"
 fi
+# --- 4. Horovod, built against this torch (the command users run too) ----------
+"$VPY" -m trainbridge build-horovod --version "$HOROVOD_VERSION" --cache "$CACHE"
 log "ready: $VENV"

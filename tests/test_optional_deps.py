@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from conftest import MPIRUN, MPIRUN_FLAGS, PYTHON, check, run
+from conftest import MPIRUN, MPIRUN_FLAGS, PYTHON, check, read_metrics, run
 from test_bad_input import QUICK, assert_one_clear_line
 
 TASKS_EXTRA = r'pip install "trainbridge\[tasks\]" adds it'
@@ -101,3 +101,41 @@ def test_no_mpi4py_is_one_line_for_the_torch_backend_under_mpirun(tmp_path: Path
     assert result.returncode != 0
     assert_one_clear_line(result, r'mpi4py is not installed, and torch.distributed under mpirun .* needs it; '
                                   r'pip install "trainbridge\[mpi\]" adds it, or export MASTER_ADDR and MASTER_PORT')
+
+
+def broken_horovod(root: Path) -> dict:
+    """What ``pip install horovod`` leaves when PyTorch's headers were missing at build time: ``horovod.torch``
+    imports but has no operations (seen with the 345 KB build of 0.28.1). On PYTHONPATH, it hides the real one."""
+    (root / "horovod" / "torch").mkdir(parents=True)
+    (root / "horovod" / "__init__.py").write_text("__version__ = '0.28.1'\n")
+    (root / "horovod" / "torch" / "__init__.py").write_text("# built without HOROVOD_WITH_PYTORCH: no extension\n")
+    return {"PYTHONPATH": str(root)}
+
+
+def test_doctor_names_a_horovod_without_pytorch_operations_and_the_fix(tmp_path: Path):
+    result = check(run([PYTHON, "-m", "trainbridge", "doctor"], timeout=60, env=broken_horovod(tmp_path / "site")))
+    rows = [line for line in result.stdout.splitlines() if line.startswith("horovod.torch")]
+    assert len(rows) == 1 and "unusable: this Horovod was built without its PyTorch operations" in rows[0] \
+        and "trainbridge build-horovod" in rows[0], result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_mpirun_with_a_broken_horovod_trains_on_the_torch_backend(tmp_path: Path):
+    """--backend auto under mpirun picks Horovod only when it can run: a broken build is passed over."""
+    env = broken_horovod(tmp_path / "site")
+    out = tmp_path / "run"
+    check(run([MPIRUN, *MPIRUN_FLAGS, "-np", "2", "-x", "PYTHONPATH", PYTHON, "-m", "trainbridge.train", *QUICK,
+               "--output-dir", str(out)], timeout=120, env=env))
+    assert [row["backend"] for row in read_metrics(out)][-1] == "torch"
+    result = run([MPIRUN, *MPIRUN_FLAGS, "-np", "2", "-x", "PYTHONPATH", PYTHON, "-m", "trainbridge.train", *QUICK,
+                  "--backend", "horovod", "--output-dir", str(tmp_path / "asked")], timeout=120, env=env)
+    assert result.returncode != 0
+    assert_one_clear_line(result, r"Horovod cannot run this job: this Horovod was built without its PyTorch "
+                                  r"operations .*; trainbridge build-horovod builds and installs one")
+
+
+def test_build_horovod_leaves_a_working_horovod_alone(tmp_path: Path):
+    """The set-up builds Horovod with this command on a fresh machine; where it already runs, nothing is built."""
+    result = check(run([PYTHON, "-m", "trainbridge", "build-horovod", "--cache", str(tmp_path)], timeout=120))
+    assert "this Python's Horovod already runs PyTorch jobs" in result.stdout
+    assert not list(tmp_path.iterdir())

@@ -11,14 +11,13 @@ launcher           backend
 torchrun, spawn    torch
 env (env://)       torch
 horovodrun         horovod
-mpirun             horovod when ``horovod.torch`` imports, else torch
+mpirun             horovod when this Horovod can train PyTorch models, else torch
 srun               torch
 plain python       local
 =================  =====================================================
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Dict, Optional
 
 from ..errors import UserError
@@ -38,12 +37,11 @@ AUTO_BY_LAUNCHER = {"torchrun": "torch", "spawn": "torch", "env": "torch", "horo
                     "python": "local"}
 
 
-def horovod_importable() -> bool:
-    try:
-        importlib.import_module("horovod.torch")
-    except ImportError:
-        return False
-    return True
+def horovod_usable() -> bool:
+    """Horovod with its PyTorch operations and a controller (a broken build is passed over, not picked)."""
+    from .horovod import horovod_problem
+
+    return horovod_problem() is None
 
 
 def choose_backend(requested: str, env: LaunchEnv, horovod_available: Optional[Callable[[], bool]] = None) -> str:
@@ -53,7 +51,7 @@ def choose_backend(requested: str, env: LaunchEnv, horovod_available: Optional[C
             raise UserError(f"unknown backend {requested!r}; choose one of auto, {', '.join(BACKENDS)}")
         return requested
     if env.launcher == "mpirun":
-        return "horovod" if (horovod_available or horovod_importable)() else "torch"
+        return "horovod" if (horovod_available or horovod_usable)() else "torch"
     return AUTO_BY_LAUNCHER[env.launcher]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -23,15 +23,38 @@ T = TypeVar("T")
 CPU_CYCLE_TIME_MS = 5  # Horovod's default is 1 ms
 
 
-def import_horovod():
-    """``horovod.torch``, or a UserError that says how to get a working build."""
+# What to do about a missing or broken Horovod: Horovod 0.28.1's sdist builds against
+# torch >= 2.1 only with its C++ standard raised to 17, which this command does.
+HOROVOD_FIX = "trainbridge build-horovod builds and installs one against this torch (about 3 minutes)"
+
+
+def horovod_problem() -> Optional[str]:
+    """Why ``horovod.torch`` cannot train PyTorch models here, or None when it can.
+
+    ``pip install horovod`` without PyTorch's headers at build time installs a Horovod
+    whose ``horovod.torch`` imports but has no operations (no ``mpi_built``, no
+    ``allreduce``); a build without MPI and Gloo has no controller to start.
+    """
     try:
         import horovod.torch as hvd
-    except ImportError as exc:
-        raise UserError(
-            f"Horovod with PyTorch support is not available (import horovod.torch failed: {exc}); "
-            f"run scripts/setup.sh, or rebuild with HOROVOD_WITH_PYTORCH=1 pip install --no-build-isolation horovod"
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken extension's own error
+        return f"horovod.torch does not import ({first_line(exc)})"
+    if not all(hasattr(hvd, name) for name in ("mpi_built", "gloo_built", "allreduce_async_", "init")):
+        return "this Horovod was built without its PyTorch operations (horovod.torch has no allreduce)"
+    try:
+        controllers = hvd.mpi_built() or hvd.gloo_built()
+    except Exception as exc:  # noqa: BLE001
+        return f"this Horovod's PyTorch extension does not load ({first_line(exc)})"
+    return None if controllers else "this Horovod was built with neither the MPI nor the Gloo controller"
+
+
+def import_horovod():
+    """``horovod.torch``, or a UserError that says how to get a working build."""
+    problem = horovod_problem()
+    if problem is not None:
+        raise UserError(f"Horovod cannot run this job: {problem}; {HOROVOD_FIX}")
+    import horovod.torch as hvd
+
     return hvd
 
 

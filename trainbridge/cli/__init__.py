@@ -1,4 +1,4 @@
-"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data`` and ``bench``."""
+"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data``, ``bench`` and ``build-horovod``."""
 from __future__ import annotations
 
 import sys
@@ -12,6 +12,7 @@ commands:
   doctor   versions, collective libraries, the detected launcher; --hosts A,B checks a multi-node set-up
   data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
   bench    trainbridge under every launcher against hand-written baselines (--quick: smoke test)
+  build-horovod  build Horovod against this torch and install it (Horovod 0.28.1 needs a fix to build)
 """
 
 
@@ -39,7 +40,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "bench":
         from .bench.cli import main as bench_main
         return bench_main(rest)
-    print(f"trainbridge: error: unknown command {command!r}; use train, doctor, data or bench", file=sys.stderr)
+    if command == "build-horovod":
+        from .build_horovod import main as build_horovod_main
+        return build_horovod_main(rest)
+    print(f"trainbridge: error: unknown command {command!r}; use train, doctor, data, bench or build-horovod",
+          file=sys.stderr)
     return 2
 
 

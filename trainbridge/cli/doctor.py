@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..backends.horovod import HOROVOD_FIX, horovod_problem
 from ..launch import detect_launch
 from ..optional import OPTIONAL
 
@@ -35,10 +36,11 @@ def version(package: str) -> str:
 
 
 def horovod_build() -> List[Tuple[str, str]]:
-    try:
-        import horovod.torch as hvd
-    except ImportError as exc:
-        return [("horovod.torch", f"unavailable ({exc})")]
+    problem = horovod_problem()
+    if problem is not None:
+        return [("horovod.torch", f"unusable: {problem}; {HOROVOD_FIX}")]
+    import horovod.torch as hvd
+
     yes = {True: "yes", False: "no"}
     return [
         ("horovod frameworks", "PyTorch"),  # importing horovod.torch proves the PyTorch extension

@@ -27,12 +27,16 @@ except _UserError as _exc:
     raise SystemExit(2) from None
 
 if using_real_horovod:
-    try:
-        import horovod.torch as _horovod_torch
-    except ImportError as _exc:  # pragma: no cover - depends on the installation
-        raise ImportError(f"horovodrun started this job, so trainbridge.hvd delegates to horovod.torch, which "
-                          f"does not import ({_exc}); install Horovod with PyTorch support, or launch with "
-                          f"torchrun/mpirun to use the torch backend") from None
+    from ..backends.horovod import HOROVOD_FIX as _FIX, horovod_problem as _horovod_problem
+    _problem = _horovod_problem()
+    if _problem is not None:  # one line, from the first rank, as above
+        from ..launch import detect_launch as _detect_launch
+        if _detect_launch().rank == 0:
+            print(f"trainbridge: error: horovodrun started this job, so trainbridge.hvd is Horovod's own "
+                  f"horovod.torch, and {_problem}; {_FIX}, or launch with torchrun or mpirun (trainbridge.hvd "
+                  f"then runs on torch.distributed)", file=_sys.stderr, flush=True)
+        raise SystemExit(2)
+    import horovod.torch as _horovod_torch
     globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 else:
     from . import elastic

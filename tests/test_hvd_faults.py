@@ -1,10 +1,15 @@
 """``trainbridge.hvd`` where jobs meet trouble: busy ranks outside a process set, stale commit files, and
 elastic state of Horovod users' everyday values, under real torchrun launches (each with a timeout)."""
 import re
+import signal
 import socket
 from pathlib import Path
 
-from conftest import TORCHRUN, check, run
+import torch
+
+from trainbridge.hvd.elastic import commit_file
+
+from conftest import PYTHON, TORCHRUN, check, run
 
 SCRIPTS = Path(__file__).parent / "hvd_scripts"
 TIMEOUT = 120
@@ -82,3 +87,14 @@ def test_a_restart_restores_numpy_named_tuple_defaultdict_and_enum_values(tmp_pa
     restarted = re.findall(r"START attempt=1 rank=\d epoch=2 weight=2 values=(.*)", out)
     assert restarted == [expected] * 2, out[-3000:]
     assert sorted(re.findall(r"DONE rank=(\d) epoch=3 weight=3 ", out)) == ["0", "1"], out[-3000:]
+
+
+def test_a_commit_that_returned_survives_a_sigterm_during_its_write(tmp_path):
+    """The commit file is written on a thread; the SIGTERM torchrun sends after a peer's crash waits for it."""
+    result = run([PYTHON, str(SCRIPTS / "elastic_commit_sigterm.py")], timeout=TIMEOUT,
+                 env={"TRAINBRIDGE_ELASTIC_DIR": str(tmp_path)})
+    assert result.returncode == -signal.SIGTERM, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+    assert "COMMITTED epoch=3" in result.stdout and "NOT STOPPED" not in result.stdout, result.stdout
+    snapshot = commit_file.load(str(tmp_path / "state.pt"))
+    assert snapshot["objects"]["epoch"] == 3
+    assert torch.equal(snapshot["handlers"]["model"]["weight"], torch.full((8192, 4096), 3.0))

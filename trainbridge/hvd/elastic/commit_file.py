@@ -6,11 +6,13 @@ torchrun, rank 0 therefore also writes each commit to
 
     $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
 
-atomically and durably (write, fsync, rename, fsync the directory) before
-``commit()`` returns, so the commit that returned is the one a restart finds.
-(Written on a thread, it was lost when torchrun stopped rank 0 right after a
-peer's crash, and the restart went back one commit.) A crash during a write
-leaves the previous commit, complete. On a restart
+atomically and durably (write, fsync, rename, fsync the directory), on a
+thread: ``commit()`` returns once the state is copied, as Horovod's in-memory
+commit does, and the next commit waits for the previous write. The commit that
+returned is still the one a restart finds: torchrun stops the other workers
+with SIGTERM when one fails (and SIGKILLs them 30 s later), and rank 0 finishes
+its write before it obeys the signal, as it does before it exits. A crash during
+a write leaves the previous commit, complete. On a restart
 (TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and ``state.sync()`` broadcasts
 it to the other ranks, which may run on other nodes. Outside torchrun nothing is
 written.
@@ -34,11 +36,15 @@ with a ``TypeError`` naming it, instead of a file the restart could not read.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
+import signal
 import socket
+import sys
 import tempfile
+import threading
 from typing import Any, Mapping, Optional
 
 import torch
@@ -100,7 +106,10 @@ def save(snapshot: Any, path: str, job: str = "") -> None:
     the same directory, flushed and fsynced, renamed over ``path`` (atomic on POSIX), then the
     directory fsynced so that the rename itself is on disk.
     """
-    plain = check_plain(snapshot)  # before anything is written
+    _write(check_plain(snapshot), path, job)  # checked before anything is written
+
+
+def _write(plain: Any, path: str, job: str) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
@@ -115,6 +124,67 @@ def save(snapshot: Any, path: str, job: str = "") -> None:
         raise
     os.replace(partial, path)  # a crash mid-write leaves the previous commit intact
     fsync_dir(directory)  # the rename itself survives a power loss
+
+
+class BackgroundWriter:
+    """Writes commits on a thread, one at a time and in order; never lets the process end mid-write."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._guarded = False
+
+    def save(self, snapshot: Any, path: str, job: str = "") -> None:
+        """:func:`save` on a thread: ``snapshot`` is checked (TypeError) here; the previous write finishes first."""
+        plain = check_plain(snapshot)
+        self.wait()
+        self._guard_exits()
+        self._thread = threading.Thread(target=self._run, args=(plain, path, job), name="hvd-elastic-commit",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, plain: Any, path: str, job: str) -> None:
+        try:
+            _write(plain, path, job)
+        except BaseException as exc:  # noqa: BLE001 - raised in the committing thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; its error, if it failed, is raised here (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _guard_exits(self) -> None:
+        if self._guarded:
+            return
+        self._guarded = True
+        atexit.register(self._wait_at_exit)
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def finish_then_obey(signum: int, frame: Any) -> None:
+                # torchrun's SIGTERM after a peer's crash: the returned commit reaches the file first.
+                self._wait_at_exit()
+                signal.signal(signal.SIGTERM, previous)
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            signal.signal(signal.SIGTERM, finish_then_obey)
+
+    def _wait_at_exit(self) -> None:
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - the process is ending: say why the last commit is missing
+            print(f"hvd.elastic: the last commit was not written: {exc}", file=sys.stderr, flush=True)
+
+
+writer = BackgroundWriter()
 
 
 def _read(path: str) -> Optional[dict]:
@@ -139,6 +209,7 @@ def load(path: str, job: Optional[str] = None) -> Optional[Any]:
 
 def remove(path: str, why: str = "") -> None:
     """Delete the commit file (and the default directory, once empty); ``why`` is printed if there was one."""
+    writer.wait()  # a write in flight would bring it back
     if os.path.exists(path):
         os.remove(path)
         if why:

@@ -39,12 +39,12 @@ class State:
         """Horovod's host-discovery notification; torchrun restarts the job instead."""
 
     def commit(self) -> None:
-        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it before
-        returning; a value the file cannot hold raises here)."""
+        """Save the state in memory and, under torchrun, in the commit file (rank 0 writes it on a thread,
+        finished before the process ends; a value the file cannot hold raises here)."""
         self.save()
         path = commit_file.commit_path()
         if path is not None and self._rank() == 0:
-            commit_file.save(self.snapshot(), path, commit_file.job_identity())
+            commit_file.writer.save(self.snapshot(), path, commit_file.job_identity())
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

@@ -8,7 +8,8 @@ setup:
 	bash scripts/setup.sh
 
 # Main job: 2-process MNIST training (torchrun, DDP/gloo) on the embedded data.
-run: setup
+run:
+	bash scripts/setup.sh run
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m trainbridge.train \
 		--dataset auto --model convnet-dropout --epochs 10 --batch-size 64 --gamma 0.8 --no-progress \
 		--output-dir runs/mnist

@@ -9,7 +9,13 @@
 #   4. Horovod 0.28.1 from its sdist with the C++17 fix: `trainbridge build-horovod`.
 # A second run takes seconds: each step checks before it acts, and the built
 # Horovod wheel is cached in $TRAINBRIDGE_CACHE (default ~/.cache/trainbridge).
+#
+#   bash scripts/setup.sh        everything: what the tests, the bench and the docs need
+#   bash scripts/setup.sh run    only what the main job needs (make run): steps 2 and 3
+#                                with the tasks extra; a later full set-up adds the rest
 set -euo pipefail
+PROFILE=${1:-all}
+case "$PROFILE" in run|all) ;; *) echo "usage: bash scripts/setup.sh [run|all]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${VENV:-$ROOT/.venv}
@@ -21,6 +27,7 @@ HOROVOD_VERSION=0.28.1
 log() { echo "[setup] $*"; }
 
 # --- 1. Open MPI -------------------------------------------------------------
+if [ "$PROFILE" = all ]; then
 if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
     log "installing Open MPI from Debian packages"
@@ -44,6 +51,7 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
         log "SLURM/sshd not installed (no apt-get or no root): the two-host tests will skip"
     fi
 fi
+fi  # PROFILE = all
 
 # --- 2. virtual environment --------------------------------------------------
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; $PY -m venv "$VENV"; }
@@ -61,20 +69,22 @@ have torchvision "$TORCHVISION_VERSION" || { log "installing torchvision==$TORCH
 # hook defines those two schemas right before that module runs, in every
 # interpreter of the venv (also scripts that never import trainbridge).
 SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-cp "$ROOT/trainbridge/compat/torchvision_cpu_ops.py" "$SITE/_trainbridge_torchvision_cpu_ops.py"
+cp "$ROOT/scripts/torchvision_cpu_ops.py" "$SITE/_trainbridge_torchvision_cpu_ops.py"
 echo "import _trainbridge_torchvision_cpu_ops; _trainbridge_torchvision_cpu_ops.install()" > "$SITE/_trainbridge_torchvision_cpu_ops.pth"
 "$VPY" -c "import torchvision" || { echo "[setup] import torchvision still fails" >&2; exit 1; }
 
-"$VPY" -c "import mpi4py" 2>/dev/null || { log "installing mpi4py"; "${PIP[@]}" mpi4py; }
+[ "$PROFILE" = run ] || "$VPY" -c "import mpi4py" 2>/dev/null || { log "installing mpi4py"; "${PIP[@]}" mpi4py; }
 
 # --- 3. trainbridge, editable ------------------------------------------------
+EXTRAS=all; [ "$PROFILE" = run ] && EXTRAS=tasks
+MARKER="$VENV/.trainbridge-installed-$EXTRAS"  # a full set-up after "run" still adds the other extras
 if ! "$VPY" -c "import trainbridge, sys; sys.exit(0 if trainbridge.__file__.startswith('$ROOT') else 1)" 2>/dev/null \
-   || [ setup.cfg -nt "$VENV/.trainbridge-installed" ]; then
-    log "installing trainbridge (editable) with .[all]"
+   || [ setup.cfg -nt "$MARKER" ]; then
+    log "installing trainbridge (editable) with .[$EXTRAS]"
     # The pins keep the torch and torchvision installed above (setup.cfg only bounds them from below).
-    "${PIP[@]}" -e ".[all]" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-    touch "$VENV/.trainbridge-installed"
+    "${PIP[@]}" -e ".[$EXTRAS]" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+    touch "$MARKER"
 fi
 # --- 4. Horovod, built against this torch (the command users run too) ----------
-"$VPY" -m trainbridge build-horovod --version "$HOROVOD_VERSION" --cache "$CACHE"
+[ "$PROFILE" = run ] || "$VPY" -m trainbridge build-horovod --version "$HOROVOD_VERSION" --cache "$CACHE"
 log "ready: $VENV"

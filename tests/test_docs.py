@@ -50,6 +50,14 @@ def test_mkdocs_build_strict_has_no_warning(site):
         assert (site / page).is_file(), page
 
 
+def test_api_signatures_are_formatted_not_cut_off(site):
+    """mkdocstrings formats long signatures one parameter per line (with Ruff, from the docs extra); without a
+    formatter it prints them on one line that the page cuts off at its edge."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site / "reference" / "api.html").read_text()))
+    assert re.search(r"init\(\n +backend: str = \"auto\",\n +\*,\n +timeout: float = 300\.0,", text), \
+        text[text.find("init("):text.find("init(") + 400]
+
+
 # ----- the API reference ----------------------------------------------------------
 def public_names() -> Dict[str, List[str]]:
     """Every public name of ``trainbridge`` (its ``__all__``) and of ``trainbridge.hvd`` (Horovod's API)."""

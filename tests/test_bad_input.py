@@ -45,7 +45,8 @@ def test_horovod_missing(tmp_path):
     (fake / "__init__.py").write_text("")
     result = run(plain(QUICK + ["--backend", "horovod", "--output-dir", str(tmp_path / "out")]), timeout=60,
                  env={"PYTHONPATH": str(tmp_path / "fake")})
-    assert_one_clear_line(result, r"Horovod with PyTorch support is not available.*HOROVOD_WITH_PYTORCH=1")
+    assert_one_clear_line(result, r"Horovod cannot run this job: horovod.torch does not import \(.*\); "
+                                  r"trainbridge build-horovod builds and installs one against this torch")
 
 
 def test_missing_data_root(tmp_path):

@@ -55,8 +55,9 @@ def run(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cw
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    # stderr's tail is long enough for a launcher's traceback after a rank's line and its py-spy dump.
     assert result.returncode == 0, (f"exit {result.returncode}: {' '.join(result.args)}\n"
-                                    f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+                                    f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-12000:]}")
     return result
 
 

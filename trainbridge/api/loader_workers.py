@@ -27,6 +27,18 @@ from typing import Any, Callable, Dict, Optional
 PR_SET_PDEATHSIG = 1
 
 
+def _libc_prctl() -> Optional[Callable[..., int]]:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, in the rank, once: a worker that called dlopen itself right after the fork
+# would hang for ever if another thread of its rank held the dynamic loader's lock when it forked.
+_PRCTL = _libc_prctl() if sys.platform.startswith("linux") else None
+
+
 class WorkerSetup:
     """A ``worker_init_fn``: the signal set-up above, then the user's own ``worker_init_fn``."""
 
@@ -40,9 +52,9 @@ class WorkerSetup:
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.die_with_parent and sys.platform.startswith("linux"):
+        if self.die_with_parent and _PRCTL is not None:
             parent = os.getppid()
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != parent:  # the rank died before the line above
                 os._exit(1)
         if self.user_init is not None:

@@ -20,7 +20,7 @@ import pickle
 import shutil
 import socket
 import threading
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from torch.utils.serialization import config as _serialization_config
@@ -265,7 +265,8 @@ class BackgroundWriter:
     synchronous write would have raised.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "trainbridge-checkpoint-writer", daemon: bool = False) -> None:
+        self.name, self.daemon = name, daemon
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -274,14 +275,19 @@ class BackgroundWriter:
         self.wait()
         check_targets(paths, keep_previous)  # a directory in the way: say so at the call, not at the next one
         snapshot = host_copy(obj)  # the only part on the training path
+        self.start(lambda: save_all(snapshot, paths, keep_previous))
 
-        def write() -> None:
+    def start(self, write: Callable[[], None]) -> None:
+        """Run ``write`` on the writer's thread once the previous write is done; its error comes out of :meth:`wait`."""
+        self.wait()
+
+        def run() -> None:
             try:
-                save_all(snapshot, paths, keep_previous)
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+                write()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by wait()
                 self._error = exc
 
-        self._thread = threading.Thread(target=write, name="trainbridge-checkpoint-writer", daemon=False)
+        self._thread = threading.Thread(target=run, name=self.name, daemon=self.daemon)
         self._thread.start()
 
     @property

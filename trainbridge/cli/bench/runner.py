@@ -252,8 +252,9 @@ def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path,
     import torch
 
     # One GPU per rank: with fewer GPUs than that, the count (a property of each row's metric code) runs on the CPUs.
-    on_gpus = torch.cuda.device_count() >= COUNT_RANKS
-    hidden = () if on_gpus or not torch.cuda.is_available() else (("CUDA_VISIBLE_DEVICES", ""),)
+    gpus = torch.cuda.device_count()
+    on_gpus = gpus >= COUNT_RANKS
+    hidden = (("CUDA_VISIBLE_DEVICES", ""),) if 0 < gpus < COUNT_RANKS else ()
     three = {c.key: dataclasses.replace(c, env=c.env + hidden)
              for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores, gpu=on_gpus)}
     return {key: run_once(three[key], 0, out_dir / key / f"{COUNT_RANKS}-ranks", timeout)

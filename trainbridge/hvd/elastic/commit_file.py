@@ -49,7 +49,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ...api.files import fsync_dir
+from ...api.files import BackgroundWriter, fsync_dir
 
 from .plain_values import from_plain, to_plain
 
@@ -126,12 +126,12 @@ def _write(plain: Any, path: str, job: str) -> None:
     fsync_dir(directory)  # the rename itself survives a power loss
 
 
-class BackgroundWriter:
-    """Writes commits on a thread, one at a time and in order; never lets the process end mid-write."""
+class CommitWriter(BackgroundWriter):
+    """trainbridge's checkpoint writer (one write at a time, in order, errors at ``wait()``) for commits,
+    which never lets the process end mid-write."""
 
     def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        super().__init__(name="hvd-elastic-commit", daemon=True)
         self._guarded = False
 
     def save(self, snapshot: Any, path: str, job: str = "") -> None:
@@ -139,24 +139,7 @@ class BackgroundWriter:
         plain = check_plain(snapshot)
         self.wait()
         self._guard_exits()
-        self._thread = threading.Thread(target=self._run, args=(plain, path, job), name="hvd-elastic-commit",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, plain: Any, path: str, job: str) -> None:
-        try:
-            _write(plain, path, job)
-        except BaseException as exc:  # noqa: BLE001 - raised in the committing thread by wait()
-            self._error = exc
-
-    def wait(self) -> None:
-        """Until the write in flight is on disk; its error, if it failed, is raised here (once)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self.start(lambda: _write(plain, path, job))
 
     def _guard_exits(self) -> None:
         if self._guarded:
@@ -184,7 +167,7 @@ class BackgroundWriter:
             print(f"hvd.elastic: the last commit was not written: {exc}", file=sys.stderr, flush=True)
 
 
-writer = BackgroundWriter()
+writer = CommitWriter()
 
 
 def _read(path: str) -> Optional[dict]:

@@ -48,10 +48,50 @@ def run(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cw
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stacks = dump_stacks(proc.pid)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+        pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+                    f"\nstacks of its Python processes:\n{stacks}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _tree(pid: int) -> List[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def dump_stacks(pid: int) -> str:
+    """py-spy's dump of every Python process under ``pid``: where a hung launch waits."""
+    dumps = []
+    for process in _tree(pid):
+        try:
+            if "python" not in process.name():
+                continue
+            dump = subprocess.run([str(BIN / "py-spy"), "dump", "--native", "--pid", str(process.pid)],
+                                  capture_output=True, text=True, timeout=30)
+            dumps.append(dump.stdout + dump.stderr)
+        except (psutil.Error, OSError, subprocess.SubprocessError) as e:
+            dumps.append(f"{process.pid}: no dump ({e})")
+    return "\n".join(dumps)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process under it (torchrun starts each rank in a session
+    of its own, so killing the launcher's group would leave the ranks running into later tests)."""
+    tree = _tree(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -129,10 +169,7 @@ class Job:
             self._out.close()
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(self.proc.pid)
 
 
 RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")

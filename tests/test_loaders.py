@@ -5,7 +5,10 @@ last test launches tests/api_scripts/dataset_sizes.py under real launchers: at
 dataset sizes that are not a multiple of the global batch every world size must
 train the same samples and end with one process's weights.
 """
+import multiprocessing
 import random
+import signal
+import time
 from pathlib import Path
 
 import numpy
@@ -404,3 +407,21 @@ def test_every_world_size_trains_the_samples_and_weights_of_one_process(name, on
         assert ours.keys() == reference.keys()
         diff = max((ours[k] - reference[k]).abs().max().item() for k in ours)
         assert diff <= 1e-9, f"{name}, {size} samples: max abs weight difference {diff:.3g} vs one process"
+
+
+def test_killing_the_workers_on_the_way_out_is_not_read_as_a_failed_worker():
+    # A rank that exits kills its loaders' workers (kill_workers). The live loader's SIGCHLD handler
+    # used to read that as a worker that failed and raise "DataLoader worker (pid N) is killed by
+    # signal: Killed" over a rank that had finished (1 torchrun run in 60 exited 1 this way).
+    from trainbridge.api.loader_workers import kill_workers
+
+    previous = signal.getsignal(signal.SIGCHLD)
+    loader = items(100, 10, num_workers=2, persistent_workers=True)
+    batches = iter(loader)
+    next(batches)  # the workers run, the loader's SIGCHLD handler is installed
+    try:
+        kill_workers()
+        time.sleep(1.0)  # the SIGCHLDs arrive; a handler that raises does so here
+        assert not multiprocessing.active_children()
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

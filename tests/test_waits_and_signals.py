@@ -164,4 +164,6 @@ def test_a_worker_that_never_delivers_a_batch_ends_its_rank_with_one_line(tmp_pa
     for line in lines.values():
         assert re.match(r"waited \d+s in train_loader's next batch at this process's step 4 for this rank's "
                         r"DataLoader workers", line), line
+    # Each stuck worker's stacks follow the line (py-spy is in the test extra): the read it is stuck in.
+    assert "py-spy dump" in result.stderr and "__getitem__ (waits.py" in result.stderr, result.stderr[-3000:]
     assert not survivors(tmp_path)

@@ -19,10 +19,12 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 PR_SET_PDEATHSIG = 1
 
@@ -70,15 +72,51 @@ def with_worker_setup(options: Dict[str, Any]) -> Optional[WorkerSetup]:
     return setup
 
 
+def _live_workers() -> List[multiprocessing.Process]:
+    try:
+        return [child for child in multiprocessing.active_children() if child.daemon]
+    except Exception:  # noqa: BLE001 - on the way out: never raise over the failure being reported
+        return []
+
+
+def describe_workers() -> str:
+    """Where each DataLoader worker of this process waits: py-spy's dump of its stacks where py-spy is
+    installed (Python and native frames), else each thread's kernel wait channel; for a rank that is
+    about to end because its workers never delivered."""
+    py_spy = shutil.which("py-spy", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    parts = []
+    for worker in _live_workers():
+        if py_spy is not None:
+            try:
+                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(worker.pid)], capture_output=True,
+                                      text=True, timeout=20)
+                parts.append(f"DataLoader worker {worker.pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
+                continue
+            except (OSError, subprocess.SubprocessError):
+                pass
+        parts.append(f"DataLoader worker {worker.pid}: " + ", ".join(_thread_waits(worker.pid))
+                     + " (pip install py-spy for its stacks)")
+    return "\n".join(parts)
+
+
+def _thread_waits(pid: int) -> List[str]:
+    waits = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                waits.append(f"thread {tid} in {f.read().strip() or 'nothing (running)'}")
+    except OSError:
+        waits.append("gone")
+    return waits
+
+
 def kill_workers() -> None:
     """SIGKILL this process's daemonic children (DataLoader workers) as it leaves, as Python's exit would end them."""
-    try:
-        children = multiprocessing.active_children()
-    except Exception:  # noqa: BLE001 - on the way out: never raise over the failure being reported
-        return
-    for child in children:
-        if not child.daemon:
-            continue
+    if threading.current_thread() is threading.main_thread():
+        # A live loader's SIGCHLD handler would read the kill as a worker that failed and raise
+        # "DataLoader worker (pid N) is killed by signal" over a rank that had finished (seen: 1 run in 60).
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in _live_workers():
         try:
             os.kill(child.pid, signal.SIGKILL)
         except (OSError, TypeError):

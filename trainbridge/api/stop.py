@@ -21,13 +21,13 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from .loader_workers import kill_workers
+from .loader_workers import describe_workers, kill_workers
 
 WATCHDOG_EXIT_CODE = 124
 FOR_PEERS = ("the other ranks", "a rank died or stalled, or the ranks called different operations; "
                                 "compare with the other ranks' lines")
 FOR_WORKERS = ("this rank's DataLoader workers", "a worker is stuck (a read that never returns, or a lock held "
-                                                 "when it was forked); see the py-spy dump of the worker")
+                                                 "when it was forked); their stacks follow")
 
 
 class StopSignal:
@@ -118,5 +118,7 @@ class Watchdog:
             if what is not None and waited > self.limit:
                 print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
                       f"(timeout {self.timeout:g}s): {causes}", file=sys.stderr, flush=True)
+                if self.waited_for is FOR_WORKERS:
+                    print(describe_workers(), file=sys.stderr, flush=True)
                 kill_workers()  # a stuck DataLoader worker would keep the launcher's output open
                 os._exit(WATCHDOG_EXIT_CODE)

@@ -29,7 +29,7 @@ class Wave(tb.Task):
     def add_arguments(cls, parser) -> None:
         parser.add_argument("--noise", type=float, default=0.05, help="standard deviation of the label noise")
 
-    def prepare(self, cfg, note) -> str:
+    def load_data(self, cfg, note) -> str:
         generator = torch.Generator().manual_seed(0)  # the same data on every rank
         x = torch.rand(1200, 1, generator=generator) * 2 - 1
         y = torch.sin(3 * x) + cfg.noise * torch.randn(x.shape, generator=generator)

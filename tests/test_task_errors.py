@@ -29,7 +29,7 @@ class Small(tb.Task):
     default_optimizer = "adam"
     default_lr = 1e-2
 
-    def prepare(self, cfg, note):
+    def load_data(self, cfg, note):
         generator = torch.Generator().manual_seed(0)
         x = torch.rand(48, 2, generator=generator)
         y = (x.sum(dim=1) > 1).long()
@@ -121,6 +121,9 @@ CASES = {
     "abstract class": (
         edited(("def build_model", "def make_model"), ("def eval_dataset", "def eval_split")), [],
         r"Small does not define build_model, eval_dataset; define them in the class"),
+    "load_data still called prepare": (
+        edited(("def load_data", "def prepare")), [],
+        r"Small.prepare is now called load_data; rename the method"),
     "build_model returns None": (
         edited(("return nn.Linear(2, 2)", "nn.Linear(2, 2)")), [],
         r"Small.build_model returned None \(a missing return\?\), not a torch.nn.Module; return the model itself"),
@@ -148,7 +151,8 @@ CASES = {
         r"use --scheduler step"),
 }
 UNDER_TORCHRUN = ("syntax error", "empty validation set", "per-sample training loss, no validation split")
-IN_PROCESS = ("import error", "exception at import", "sys.exit(0) at import", "abstract class")
+IN_PROCESS = ("import error", "exception at import", "sys.exit(0) at import", "abstract class",
+              "load_data still called prepare")
 
 
 @pytest.mark.parametrize("case", IN_PROCESS)

@@ -1,6 +1,7 @@
 """The public API (``import trainbridge as tb``): :func:`init` returns a :class:`Job`."""
 from .files import read_file
-from .job import Job, exit_process, init, report_failure
+from .job import Job, init
+from .process_end import exit_process, report_failure
 from .loaders import EvalLoader, TrainLoader
 from .spawn import spawn
 

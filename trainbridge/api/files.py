@@ -250,7 +250,9 @@ def host_copy(obj: Any) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+    if hasattr(obj, "_fields"):  # a named tuple: built from its fields, not from one iterable
+        return type(obj)(*(host_copy(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v) for v in obj)
     return obj
 
@@ -289,10 +291,6 @@ class BackgroundWriter:
 
         self._thread = threading.Thread(target=run, name=self.name, daemon=self.daemon)
         self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -15,7 +15,7 @@
             job.backward(loss)
             job.step(optimizer)
     job.save({"model": model, "optimizer": optimizer, "loader": loader}, "ckpt.pt")
-    job.shutdown()
+    job.exit(0)
 
 Every difference between DDP and Horovod lives in the backend
 (:mod:`trainbridge.backends`); this module only adds what a loop needs on top:
@@ -24,12 +24,8 @@ loaders, checkpoints, the stop agreement and one-line errors.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import signal
 import sys
-import threading
-import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -37,18 +33,16 @@ import torch
 from ..backends import Backend, GradientExchange, create_backend
 from ..errors import UserError
 from ..random_state import rng_state, seed_everything, set_rng_state
-from ..launch import LaunchEnv, detect_launch, report_error
-from ..launch.rendezvous import finalize_mpi
-from ..launch.environment import available_cores
+from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
 from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
-from .loader_workers import kill_workers
 from .loaders import EvalLoader, TrainLoader, dataset_size
+from .model_checks import check_freezing_spelled_right
+from .process_end import current, excepthook, exit_process
+from .process_setup import set_threads, use_deterministic_kernels
 from .stop import FOR_WORKERS, StopSignal, Watchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-QUIET_RANK_GRACE_SECONDS = 10.0
-PEER_FAILURE_DELAY_SECONDS = 2.0
 T = TypeVar("T")
 RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
 
@@ -66,16 +60,16 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     two runs, or a run and its resume, agree bitwise (CPU kernels already do); some
     GPU kernels are slower so.
     """
-    sys.excepthook = _excepthook  # from here on, bad input is one line
-    if _errors.job is not None:
+    sys.excepthook = excepthook  # from here on, bad input is one line
+    if current.job is not None:
         raise UserError("tb.init() was already called in this process; use the job it returned "
                         "(or call job.shutdown() before joining again)")
     env = detect_launch()
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
-    threads = _set_threads(threads, env)
+    threads = set_threads(threads, env)
     if deterministic:
-        _use_deterministic_kernels()
+        use_deterministic_kernels()
     # Before the data and the model exist, so that every buffer comes from the tuned heap.
     tuned, why = tune_malloc(malloc_tuning, os.environ)
     chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
@@ -86,31 +80,10 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     chosen.init()
     watchdog.disarm()  # joined; from here on the job's calls arm it, each for its own wait
     # Again: torch's init_process_group wraps the hook with one that captures stderr.
-    sys.excepthook = _excepthook
-    job = _errors.job = Job(chosen, watchdog)
+    sys.excepthook = excepthook
+    job = current.job = Job(chosen, watchdog)
     job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
     return job
-
-
-def _set_threads(requested: int, env: LaunchEnv) -> int:
-    # torchrun pins every worker to 1 thread (with a warning) and Horovod sets
-    # nothing, which leaves cores idle or oversubscribed.
-    if requested < 0:
-        raise UserError(f"threads must be at least 0 (got {requested})")
-    threads = requested or max(1, available_cores() // max(1, env.local_size))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def _use_deterministic_kernels() -> None:
-    # Some GPU kernels sum in an order that changes from run to run (cuDNN's atomic
-    # adds, cuBLAS's split reductions), so the last bits of the weights differ between
-    # two runs and between a run and its resume. Before any CUDA work: cuBLAS reads its
-    # workspace setting when it starts. An operation with no deterministic kernel warns.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class Job:
@@ -536,7 +509,7 @@ class Job:
                     self.backend.shutdown(clean=clean)
             else:
                 self.backend.shutdown(clean=clean)
-        _errors.job = None
+        current.job = None
 
     def exit(self, code: int = 0) -> NoReturn:
         """:meth:`shutdown`, then end this process with ``code`` at once (see :func:`exit_process`)."""
@@ -546,105 +519,3 @@ class Job:
     def __repr__(self) -> str:
         return (f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
                 f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})")
-
-
-def exit_process(code: int) -> NoReturn:
-    """Exit with ``code`` once the work is done, skipping the interpreter's C++ teardown.
-
-    After a clean shutdown of the process group, gloo and the rendezvous store can
-    still hold helper threads in static objects; destroying them at interpreter exit
-    sometimes aborts the process ("terminate called without an active exception",
-    SIGABRT), which a launcher reports as a failed rank. Everything this process
-    owes the job (checkpoints, metrics, the shutdown barrier) is finished here, so
-    flush and leave directly (after a collection, so DataLoader workers are shut down).
-    It also closes a race: the interpreter's teardown restores the default SIGTERM
-    action, so a launcher that stops the other ranks once the first has exited would
-    kill a rank that had finished its work.
-    A failed rank skips MPI_Finalize, which could wait on peers that are gone; mpirun
-    then reports it as failed, as it should.
-    """
-    gc.collect()
-    kill_workers()  # live loaders' workers, as Python's own exit would terminate them
-    if code == 0:
-        finalize_mpi()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-
-def check_freezing_spelled_right(model: torch.nn.Module) -> None:
-    """Refuse ``p.require_grad = False`` (no s): a new attribute that PyTorch ignores, so nothing is frozen."""
-    for kind, named in (("parameter", model.named_parameters()), ("module", model.named_modules())):
-        for name, obj in named:
-            if "require_grad" in getattr(obj, "__dict__", {}):
-                what = f"{kind} {name!r}" if name else "the model"
-                raise UserError(f"{what} has an attribute require_grad, which PyTorch ignores, so it is still "
-                                f"trained; to freeze it set requires_grad = False (with an s), or "
-                                f"module.requires_grad_(False)")
-
-
-# ----- one line instead of a traceback ----------------------------------------
-class _ErrorContext:
-    job: Optional[Job] = None  # the live job, whose backend can tell a peer's failure from a bug
-
-
-_errors = _ErrorContext()
-
-
-def report_failure(exc: BaseException) -> Optional[int]:
-    """Report ``exc`` as one line if it is the user's or a peer's fault; the exit status, or None for a bug.
-
-    Input and launcher errors are the same on every rank: one line from rank 0 is
-    enough. Before the job has started, the other ranks give rank 0 time to report
-    first (a launcher kills the rest of the job on the first exit) and speak only
-    if still alive, i.e. when the error was theirs alone. After that, an error may
-    be one rank's and each reports it, unless it is raised with ``quiet=True``
-    (``tb.UserError(message, quiet=not job.is_main)`` for one that every rank hits).
-    """
-    if isinstance(exc, UserError):
-        if (_errors.job is None and _launch_rank() != 0) or exc.quiet:
-            _leave_on_sigterm()
-            time.sleep(QUIET_RANK_GRACE_SECONDS)
-        if not exc.quiet:
-            report_error(str(exc))
-        return 2
-    message = _errors.job.backend.describe_failure(exc) if _errors.job is not None else None
-    if message is None:
-        return None
-    if _errors.job.watchdog.failed_in is not None:  # so that ranks in different calls read as a mismatch
-        message = f"{message} (this rank waited in {_errors.job.watchdog.failed_in})"
-    # A peer's failure is the consequence of another rank's: let that rank's own line
-    # reach the launcher's summary first (torchrun names the earliest error as the cause).
-    _leave_on_sigterm()
-    time.sleep(PEER_FAILURE_DELAY_SECONDS)
-    report_error(message)
-    return 1
-
-
-def _launch_rank() -> int:
-    """This process's rank as the launcher announced it; 0 when the announcement itself is the error."""
-    try:
-        return detect_launch().rank
-    except UserError:
-        return 0
-
-
-def _leave_on_sigterm() -> None:
-    """While this rank waits to report, the launcher's SIGTERM ends it (the stop agreement's handler would not)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _excepthook(exc_type, exc, tb) -> None:
-    sys.stderr = sys.__stderr__  # not a capture buffer that os._exit would discard
-    code = report_failure(exc)
-    if code is None:
-        sys.__excepthook__(exc_type, exc, tb)
-        return
-    if _errors.job is not None:
-        _errors.job.backend.shutdown(clean=False)
-    kill_workers()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # the collective library's threads must not hold the process open

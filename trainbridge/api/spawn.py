@@ -5,7 +5,7 @@ import functools
 from typing import Any, Callable
 
 from ..launch.spawn import spawn_workers
-from .job import report_failure
+from .process_end import report_failure
 
 
 def _run(fn: Callable[..., Any], args: tuple) -> int:

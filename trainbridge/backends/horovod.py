@@ -269,7 +269,3 @@ class HorovodBackend(Backend):
     @property
     def world_size(self) -> int:
         return self.hvd.size() if getattr(self, "hvd", None) else self.env.world_size
-
-    @property
-    def local_size(self) -> int:
-        return self.hvd.local_size() if getattr(self, "hvd", None) else self.env.local_size

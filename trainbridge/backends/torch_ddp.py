@@ -36,10 +36,10 @@ def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP check
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
-def shm_average_hook(exchange: ShmAllreduce, bucket):
+def shm_average_hook(shm: ShmAllreduce, bucket):
     """DDP comm hook: average the bucket through shared memory (synchronously) instead of gloo."""
     done = torch.futures.Future()
-    done.set_result(exchange.average_(bucket.buffer()))
+    done.set_result(shm.average_(bucket.buffer()))
     return done
 
 
@@ -91,7 +91,7 @@ class PreparedDDP(DistributedDataParallel):
 
 class TorchBackend(Backend):
     name = "torch"
-    exchange: "ShmAllreduce | None" = None  # set by wrap() when the ranks share one CPU host
+    shm_exchange: "ShmAllreduce | None" = None  # set by wrap() when the ranks share one CPU host
 
     def init(self) -> None:
         if self.dist_backend not in ("auto", "nccl", "gloo"):
@@ -139,7 +139,7 @@ class TorchBackend(Backend):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = PreparedDDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC,
                           find_unused_parameters=exchange.find_unused_parameters)
-        shm = self.exchange = self._shared_memory_exchange(model, exchange)
+        shm = self.shm_exchange = self._shared_memory_exchange(model, exchange)
         if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
@@ -193,10 +193,10 @@ class TorchBackend(Backend):
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "") -> Callable[[], torch.Tensor]:
         assert op in REDUCE_OPS, op
-        if self.exchange is not None and tensor.numel() <= MAILBOX_VALUES and tensor.device.type == "cpu":
+        if self.shm_exchange is not None and tensor.numel() <= MAILBOX_VALUES and tensor.device.type == "cpu":
             # The per-step stop flag of ranks on one CPU host: through shared memory,
             # without waking gloo's helper threads on cores that are busy training.
-            return self.exchange.allreduce_small_async(tensor, op)
+            return self.shm_exchange.allreduce_small_async(tensor, op)
         out = tensor.detach().to(self.device, copy=True)
         work = dist.all_reduce(out, op=_REDUCE[op], async_op=True)
 

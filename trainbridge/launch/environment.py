@@ -28,10 +28,6 @@ class LaunchEnv:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
 
 def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
     """The first of ``names`` present in ``environ``, as an int (one line if it is not one)."""

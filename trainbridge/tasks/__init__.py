@@ -20,6 +20,8 @@ def create_task(spec: str) -> Task:
         raise UserError(f"task {spec!r} is not a subclass of trainbridge.Task; derive it from trainbridge.Task "
                         f"(see the README's Task section)")
     missing = sorted(cls.__abstractmethods__)
+    if missing == ["load_data"] and "prepare" in vars(cls):  # its name until 0.1.0
+        raise UserError(f"task {spec!r}: {cls.__name__}.prepare is now called load_data; rename the method")
     if missing:
         raise UserError(f"task {spec!r}: {cls.__name__} does not define {', '.join(missing)}; define them in the class "
                         f"(every task defines {', '.join(sorted(Task.__abstractmethods__))})")

@@ -55,14 +55,14 @@ class Task(abc.ABC):
                             f"transfer-learning tasks (designsafe)")
 
     def fetch(self, cfg, note) -> None:
-        """Download what :meth:`prepare` needs and is missing (default: nothing).
+        """Download what :meth:`load_data` needs and is missing (default: nothing).
 
         Runs on the main rank first, then on the others, which find the files in
         place: one download, never two ranks writing the same file.
         """
 
     @abc.abstractmethod
-    def prepare(self, cfg, note) -> str:
+    def load_data(self, cfg, note) -> str:
         """Load or check the data on every rank at once, after :meth:`fetch`; returns one line to log.
 
         ``note(message)`` prints a one-line notice on the main rank.

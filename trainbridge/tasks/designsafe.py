@@ -61,7 +61,7 @@ class DesignSafeTask(Task):
         if not cfg.no_pretrained and not cfg.pretrained_weights:
             ensure_imagenet_weights()  # main rank first: one download per node
 
-    def prepare(self, cfg, note) -> str:
+    def load_data(self, cfg, note) -> str:
         splits = check_layout(cfg.data_root, decode_images=False)  # images were decoded in validate_config
         pretrained = not cfg.no_pretrained
         if cfg.pretrained_weights:

@@ -61,7 +61,7 @@ class MnistTask(Task):
         # Loading MNIST downloads it when missing (or falls back to the sample): all of it, main rank first.
         self.data = load_mnist(cfg.dataset, cfg.resolved_data_root, note=note)
 
-    def prepare(self, cfg, note) -> str:
+    def load_data(self, cfg, note) -> str:
         if torch.cuda.is_available():  # the whole set on this rank's GPU: batches gathered without host copies
             self.data = MnistData(*(Split(s.images.cuda(), s.labels.cuda()) for s in self.data[:2]), self.data.source)
         return self.data.source

@@ -1,9 +1,11 @@
-"""Checkpoint files: atomic writes, a kept previous copy, and safe loading.
+"""The checkpoint files of ``trainbridge train``'s output directory: which one to resume from,
+and one job per directory.
 
-Contract (the *why* of each rule):
+The writes themselves are the public API's (``job.save``, :mod:`trainbridge.api.files`):
+rank 0 writes a temporary file, syncs it to disk and renames it over the old one, so a kill
+during the write leaves the old file intact. On top of that, the engine's contract
+(the *why* of each rule):
 
-* Only rank 0 writes, to ``DIR/.<name>.tmp`` first, then ``fsync`` and ``os.replace``:
-  a kill during the write leaves the old file intact (a rename is atomic on POSIX).
 * ``last.pt`` is rotated to ``previous.pt`` before being replaced, so a checkpoint
   that turns out unreadable (a truncated copy, a bad disk) has a fallback.
 * ``best.pt`` holds the checkpoint with the best validation accuracy (lower

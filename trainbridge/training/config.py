@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 from ..api.files import unloadable_value
 from ..backends import BACKENDS
 from ..backends.base import COMPRESSIONS
+from ..data.imagefolder import MIN_IMAGE_SIZE
 from ..errors import UserError
 from ..models import CLASSIFIERS, MODELS
 from ..optional import check_installed
@@ -124,8 +125,9 @@ class TrainConfig:
              f"--fail-at-step must be at least 1 (got {self.fail_at_step})"),
             (self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})"),
             (self.plateau_patience >= 0, f"--plateau-patience must be at least 0 (got {self.plateau_patience})"),
-            (self.image_size >= 32, f"--image-size must be at least 32 (got {self.image_size}): "
-                                    f"ResNet downsamples by 32, smaller images leave nothing to classify"),
+            (self.image_size >= MIN_IMAGE_SIZE,
+             f"--image-size must be at least {MIN_IMAGE_SIZE} (got {self.image_size}): "
+             f"ResNet downsamples by 32, smaller images leave nothing to classify"),
             (self.accumulate >= 1, f"--accumulate must be at least 1 (got {self.accumulate})"),
             (self.workers is None or self.workers >= 0, f"--workers must be at least 0 (got {self.workers})"),
             (not (self.no_pretrained and self.pretrained_weights),
@@ -271,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "unless MALLOC_*_ variables, GLIBC_TUNABLES or a preloaded allocator say otherwise)")
     images = p.add_argument_group("image-folder tasks (designsafe)")
     images.add_argument("--image-size", type=int, default=d.image_size,
-                        help="images are resized to SIZE x SIZE pixels (default: 224; at least 32)")
+                        help=f"images are resized to SIZE x SIZE pixels (default: 224; at least {MIN_IMAGE_SIZE})")
     images.add_argument("--no-pretrained", action="store_true",
                         help="random initial weights instead of ImageNet's (no download, no normalisation)")
     images.add_argument("--pretrained-weights", metavar="PATH", default=None,

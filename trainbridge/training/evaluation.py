@@ -124,7 +124,7 @@ def classification_report(model: torch.nn.Module, task: Task, split: str, job: J
                           batch_size: int) -> Dict[str, object]:
     """Score ``split`` exactly across ranks; every rank returns the same report.
 
-    ``model`` is the unwrapped module (see :func:`trainbridge.training.loop.evaluate`) and
+    ``model`` is the unwrapped module (``job.unwrap(model)``: DDP's buffer broadcast must not run on uneven shards) and
     must be identical on every rank, buffers included.
     """
     was_training = model.training

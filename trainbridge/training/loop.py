@@ -29,7 +29,8 @@ from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, 
                          set_aside_previous_run)
 from .config import TrainConfig, changed_options
 from .evaluation import check_first_batch, check_report_libraries, evaluate, report_model
-from .fault_tolerance import Divergence, Preempted, maybe_fail
+from .fault_tolerance import Preempted, maybe_fail
+from .loss_check import NonFiniteLossCheck
 from .metrics import MetricsLog, StepTimer, peak_rss_mb, progress, set_postfix
 from .optimizers import fused_kernels, load_keeping_kernels
 from .rank_agreement import learning_rates_per_rank
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                         quiet=not job.is_main)
     with job.main_first():  # a download happens once, on the main rank
         task.fetch(cfg, note=job.print)
-    source = task.prepare(cfg, note=job.print)  # every rank at once: loading is not serialised
+    source = task.load_data(cfg, note=job.print)  # every rank at once: loading is not serialised
     check_splits(task, cfg.scheduler, quiet=not job.is_main)  # an empty validation split ends here, not after an epoch
     check_report_libraries(task, quiet=not job.is_main)  # and a missing matplotlib, not after the last one
     job.print(f"[trainbridge] {source}; backend={job.backend_name} world_size={job.world_size} "
@@ -155,7 +156,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         progress_ = Progress(**checkpoint["progress"])
     model, optimizer = job.prepare(model, optimizer, amp=cfg.amp, compression=cfg.compression,
                                    shm_allreduce=cfg.shm_allreduce)
-    scheduler = build_scheduler(cfg, optimizer)  # after prepare: schedulers patch optimizer.step
+    scheduler = build_scheduler(cfg, optimizer)  # after job.prepare: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, job, cfg.batch_size, layout, cfg.compile)
     if checkpoint is not None:
         # The scheduler, the fp16 loss scale it had reached and every rank's random streams
@@ -169,10 +170,10 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     state = TrainState(job.unwrap(model), optimizer, scheduler, progress_, job.scaler)
     metrics = MetricsLog(cfg.output_dir, enabled=job.is_main, append=checkpoint is not None)
     timer = StepTimer(cfg.warmup_steps)
-    run = Run(cfg, job, task, model, state, metrics, started)
+    run = EpochEnds(cfg, job, task, model, state, metrics, started)
 
     step_batch = cfg.batch_size * cfg.accumulate  # samples per rank and optimizer step
-    divergence = Divergence(job)
+    loss_check = NonFiniteLossCheck(job)
 
     def diverged() -> str:
         last = os.path.join(cfg.output_dir, LAST)
@@ -199,7 +200,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                 maybe_fail(cfg.fail_at_step, cfg.fail_rank, job.rank, p.step + 1, cfg.output_dir)
                 # DDP / Horovod hooks allreduce gradients during the (last) backward pass.
                 loss = train_step(images, labels)
-                divergence.record(loss, p.step + 1)
+                loss_check.record(loss, p.step + 1)
                 loss_sum += loss * len(labels)
                 seen += len(labels)
                 p.step += 1
@@ -207,15 +208,15 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                 p.position = loader.position
                 timer.tick(len(labels))
                 if p.step % cfg.log_every == 0:
-                    divergence.check(diverged)
+                    loss_check.check(diverged)
                     set_postfix(bar, loss=loss.item())
                 if job.should_stop():
-                    divergence.check(diverged)
+                    loss_check.check(diverged)
                     save_checkpoint(cfg, job, state, background=False)  # on disk before the exit
                     raise Preempted(f"stopped by SIGTERM after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
                                     f"launch the same command again to resume")
                 if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
-                    divergence.check(diverged)
+                    loss_check.check(diverged)
                     save_checkpoint(cfg, job, state)
                     job.commit(state)
                 if reached(cfg, p):
@@ -223,7 +224,7 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
             else:  # the pass ran to its end: the epoch is complete
                 p.epoch, p.position = p.epoch + 1, 0
             job.drain_stop()
-            divergence.check(diverged)
+            loss_check.check(diverged)
             timer.pause()
             row = run.end_of_epoch(loss_sum, seen)
         return row or run.evaluation_row()
@@ -245,7 +246,7 @@ def reached(cfg: TrainConfig, p: Progress) -> bool:
 
 
 @dataclasses.dataclass
-class Run:
+class EpochEnds:
     """What the end of an epoch and the end of the run share: built once, then each step reads its fields."""
 
     cfg: TrainConfig

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_version_is_written_once_and_printed():
-    """setup.cfg reads trainbridge.__version__; ``--version`` prints it."""
+    """setup.cfg reads trainbridge/version.py, as trainbridge.__version__ does; ``--version`` prints it."""
     assert read_configuration(ROOT / "setup.cfg")["metadata"]["version"] == trainbridge.__version__
     result = check(run([PYTHON, "-m", "trainbridge", "--version"], timeout=60))
     assert result.stdout == f"trainbridge {trainbridge.__version__}\n"

@@ -8,11 +8,10 @@
 
 See :mod:`trainbridge.api.job` for the whole API on one page.
 """
-__version__ = "0.1.0"
+from .api import EvalLoader, Job, TrainLoader, exit_process, init, report_failure, spawn
+from .errors import UserError
+from .tasks.base import Task
+from .version import __version__
 
-from .api import EvalLoader, Job, TrainLoader, exit_process, init, report_failure, spawn  # noqa: E402
-from .errors import UserError  # noqa: E402
-from .tasks.base import Task  # noqa: E402
-
-__all__ = ["EvalLoader", "Job", "Task", "TrainLoader", "UserError", "exit_process", "init", "report_failure",
-           "spawn"]
+__all__ = ["EvalLoader", "Job", "Task", "TrainLoader", "UserError", "__version__", "exit_process", "init",
+           "report_failure", "spawn"]

@@ -22,7 +22,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from .. import __version__
+        from ..version import __version__
 
         print(f"trainbridge {__version__}")
         return 0

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import __version__
+from ..version import __version__
 from ..backends.horovod import HOROVOD_FIX, horovod_problem
 from ..launch import detect_launch
 from ..optional import OPTIONAL

@@ -69,7 +69,7 @@ def test_the_users_own_allocator_settings_are_kept(env, chosen):
 
 
 def test_malloc_tuning_off_changes_nothing():
-    assert tune_malloc("off", {}) == (False, "--malloc-tuning off")
+    assert tune_malloc("off", {}) == (False, 'malloc_tuning="off"')
 
 
 def test_a_launched_job_applies_and_reports_the_setting(tmp_path):

@@ -15,8 +15,8 @@ class LocalBackend(Backend):
     def check_launch(self) -> None:
         if self.env.world_size > 1:
             raise UserError(
-                f"--backend local runs one process, but {self.env.launcher} started {self.env.world_size}: "
-                f"each would train its own model; use --backend auto (or torch/horovod) under a launcher"
+                f'backend="local" runs one process, but {self.env.launcher} started {self.env.world_size}: '
+                f'each would train its own model; use backend="auto" (or backend="torch" or backend="horovod") under a launcher'
             )
 
     def init(self) -> None:

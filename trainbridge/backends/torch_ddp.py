@@ -95,7 +95,7 @@ class TorchBackend(Backend):
 
     def init(self) -> None:
         if self.dist_backend not in ("auto", "nccl", "gloo"):
-            raise UserError(f"--dist-backend {self.dist_backend} is not supported; use auto, nccl or gloo")
+            raise UserError(f'dist_backend="{self.dist_backend}" is not supported; use auto, nccl or gloo')
         # nccl only with CUDA (checked in Backend._pick_device); gloo otherwise.
         self.pg_backend = "nccl" if self.device.type == "cuda" and self.dist_backend != "gloo" else "gloo"
         # A TCPStore on rank 0's address; ranks launched with different sizes fail with both numbers.
@@ -151,7 +151,7 @@ class TorchBackend(Backend):
         return ddp, optimizer
 
     def _shared_memory_exchange(self, model: torch.nn.Module, exchange: GradientExchange) -> "ShmAllreduce | None":
-        """The shared-memory gradient exchange for --shm-allreduce, or None for gloo/nccl.
+        """The shared-memory gradient exchange of ``shm_allreduce``, or None for gloo/nccl.
 
         The reasons against it are the same on every rank, so every rank calls the
         collective :meth:`ShmAllreduce.open` or none does.
@@ -163,7 +163,7 @@ class TorchBackend(Backend):
         if self.pg_backend != "gloo":
             why = "the gradients are on GPUs (nccl has its own shared-memory transport)"
         elif compression != "none":
-            why = f"--compression {compression} sends gradients through gloo"
+            why = f'compression="{compression}" sends gradients through gloo'
         elif self.env.local_size != self.world_size:
             why = f"the ranks are on several hosts ({self.env.local_size} of {self.world_size} on this one)"
         shm = None
@@ -172,7 +172,7 @@ class TorchBackend(Backend):
             shm, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
                                          self.timeout, self.broadcast_object, self.allgather_object)
         if why is not None and mode == "on":
-            raise UserError(f"--shm-allreduce on is not possible: {why}; use --shm-allreduce auto or off",
+            raise UserError(f'shm_allreduce="on" is not possible: {why}; use shm_allreduce="auto" or shm_allreduce="off"',
                             quiet=not self.is_main)
         if why is not None and self.pg_backend == "gloo":
             self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")

@@ -23,6 +23,7 @@ from ..training.checkpoint import claim_output_dir
 from ..training.config import TrainConfig, parse_config
 from ..training.fault_tolerance import PREEMPTED_EXIT_CODE, Preempted
 from ..training.loop import train
+from .flags import cli_error
 
 
 def run_worker(cfg: TrainConfig) -> int:
@@ -41,7 +42,7 @@ def run_worker(cfg: TrainConfig) -> int:
         finished = True  # every rank stopped at the same step: leave together
         return PREEMPTED_EXIT_CODE
     except Exception as exc:  # noqa: BLE001 - bad input and peer failures become one line; bugs keep their traceback
-        code = report_failure(exc)
+        code = report_failure(cli_error(exc))
         if code is None:
             raise
         return code

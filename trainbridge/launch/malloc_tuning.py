@@ -65,7 +65,7 @@ def glibc_mallopt():
 def tune_malloc(mode: str, env: Mapping[str, str]) -> Tuple[bool, str]:
     """Apply :data:`SETTINGS` unless ``mode`` is "off" or the user chose otherwise; returns (applied, why)."""
     if mode == "off":
-        return False, "--malloc-tuning off"
+        return False, 'malloc_tuning="off"'
     chosen = user_allocator_choice(env)
     if chosen:
         return False, f"the user's {chosen}"

@@ -10,6 +10,7 @@ def test_arguments_that_are_options_become_flags():
                                      "fp16, or --backend torch for bf16")
     assert in_cli_words("use dist_backend=\"gloo\"; timeout=300 s; deterministic=True") == \
         "use --dist-backend gloo; --timeout 300 s; --deterministic"
+    assert in_cli_words('use shm_allreduce="auto" or shm_allreduce="off"') == "use --shm-allreduce auto or off"
 
 
 def test_other_arguments_and_text_are_left_alone():

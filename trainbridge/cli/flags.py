@@ -15,6 +15,8 @@ from ..training.config import TrainConfig
 OPTIONS = {field.name for field in dataclasses.fields(TrainConfig)}
 # name="value", name='value', or name=value (a number, True): one argument as Python spells it.
 ARGUMENT = re.compile(r"""\b([a-z_]+)=(?:"([^"]*)"|'([^']*)'|([\w.+-]+))""")
+# --flag a or --flag b: the flag once (--flag a or b).
+ALTERNATIVE = re.compile(r"(--[a-z-]+) (\S+) or \1 ")
 
 
 def flag(match: re.Match) -> str:
@@ -28,7 +30,7 @@ def flag(match: re.Match) -> str:
 
 def in_cli_words(message: str) -> str:
     """``message`` with every argument that is also an option of trainbridge train written as that flag."""
-    return ARGUMENT.sub(flag, message)
+    return ALTERNATIVE.sub(r"\1 \2 or ", ARGUMENT.sub(flag, message))
 
 
 def cli_error(exc: BaseException) -> BaseException:

@@ -35,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .doctor import main as doctor_main
         return doctor_main(rest)
     if command == "data":
-        from ..data.designsafe_sample import main as data_main
+        from .data import main as data_main
         return data_main(rest)
     if command == "bench":
         from .bench.cli import main as bench_main

@@ -16,16 +16,17 @@ The folder's README.md says SYNTHETIC, and training on it says so in the log.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List
 
 import numpy as np
 
 from ..errors import UserError
-from ..optional import require
+
+if TYPE_CHECKING:
+    import PIL.Image
+
 
 CLASSES = ("C0", "C2", "C4")
 IMAGES_PER_CLASS = {"Train": 40, "Validation": 12, "Test": 6}
@@ -139,10 +140,10 @@ def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_C
     other non-empty folder is refused, so that real data is never overwritten.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--out {out_dir} is a file; give a folder to write the sample into")
+        raise UserError(f"{out_dir} is a file; give a folder to write the sample into")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not is_synthetic_sample(out_dir):
-            raise UserError(f"--out {out_dir} exists and is not a trainbridge sample; choose an empty or new folder")
+            raise UserError(f"{out_dir} exists and is not a trainbridge sample; choose an empty or new folder")
         remove_sample_images(out_dir)
     rng = np.random.default_rng(seed)
     written = []
@@ -156,31 +157,3 @@ def make_sample(out_dir: str, seed: int = 0, train_per_class: int = IMAGES_PER_C
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(README)
     return written
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``trainbridge data make-sample designsafe --out DIR [--seed N]``."""
-    parser = argparse.ArgumentParser(prog="trainbridge data", description="Write sample data sets.")
-    parser.add_argument("action", choices=["make-sample"])
-    parser.add_argument("dataset", choices=["designsafe"])
-    parser.add_argument("--out", required=True, help="folder to write (created; an older sample there is replaced)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    try:
-        require("PIL", "trainbridge data make-sample")
-        make_sample(args.out, seed=args.seed)
-    except OSError as exc:  # a parent that is a file, no permission, a full disk
-        print(f"trainbridge: error: cannot write the sample to {args.out}: {exc.strerror or exc}; "
-              f"choose a writable folder for --out", file=sys.stderr)
-        return 2
-    except UserError as exc:
-        print(f"trainbridge: error: {exc}", file=sys.stderr)
-        return 2
-    counts = ", ".join(f"{n} {split}" for split, n in IMAGES_PER_CLASS.items())
-    print(f"wrote a SYNTHETIC DesignSafe-style sample to {args.out}: classes {', '.join(CLASSES)}, "
-          f"per class {counts} images")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,16 +6,16 @@ torchrun, rank 0 therefore also writes each commit to
 
     $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
 
-atomically and durably (write, fsync, rename, fsync the directory), on a
-thread: ``commit()`` returns once the state is copied, as Horovod's in-memory
-commit does, and the next commit waits for the previous write. The commit that
-returned is still the one a restart finds: torchrun stops the other workers
-with SIGTERM when one fails (and SIGKILLs them 30 s later), and rank 0 finishes
-its write before it obeys the signal, as it does before it exits. A crash during
-a write leaves the previous commit, complete. On a restart
-(TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and ``state.sync()`` broadcasts
-it to the other ranks, which may run on other nodes. Outside torchrun nothing is
-written.
+atomically and durably (write, fsync, rename, fsync the directory: the writer of
+trainbridge's checkpoints, :mod:`trainbridge.runtime.atomic_files`), on a thread:
+``commit()`` returns once the state is copied, as Horovod's in-memory commit does,
+and the next commit waits for the previous write. The commit that returned is still
+the one a restart finds: torchrun stops the other workers with SIGTERM when one fails
+(and SIGKILLs them 30 s later), and rank 0 finishes its write before it obeys the
+signal, as it does before it exits. A crash during a write leaves the previous commit,
+complete. On a restart (TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and
+``state.sync()`` broadcasts it to the other ranks, which may run on other nodes.
+Outside torchrun nothing is written.
 
 The file belongs to one torchrun invocation (:func:`job_identity`), which it
 records:
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import os
 import signal
 import socket
@@ -49,8 +48,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ...api.files import BackgroundWriter, fsync_dir
-
+from ...runtime.atomic_files import BackgroundWriter, leftover_temporary_files, save_atomically
 from .plain_values import from_plain, to_plain
 
 SHARED_RUN_ID = "none"  # torchrun's default --rdzv-id (static rendezvous): every such job has it
@@ -101,33 +99,22 @@ def save(snapshot: Any, path: str, job: str = "") -> None:
     """Check ``snapshot`` (:func:`check_plain`) and write it for ``job`` to ``path`` so that a crash or power
     loss at any moment leaves the previous commit or this one there, never a torn file.
 
-    The same steps as trainbridge's checkpoint writer (``trainbridge.api.files.atomic_save``),
-    whose error message speaks of the trainbridge command line: a temporary file in
-    the same directory, flushed and fsynced, renamed over ``path`` (atomic on POSIX), then the
-    directory fsynced so that the rename itself is on disk.
+    The writer of trainbridge's checkpoints (:func:`trainbridge.runtime.atomic_files.save_atomically`):
+    a temporary file in the same directory, flushed and fsynced, renamed over ``path`` (atomic on
+    POSIX), then the directory fsynced so that the rename itself is on disk. A failed write raises
+    its own error (an ``OSError`` for a full disk) and leaves the previous commit as it was.
     """
     _write(check_plain(snapshot), path, job)  # checked before anything is written
 
 
 def _write(plain: Any, path: str, job: str) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
-    try:
-        with open(partial, "wb") as f:
-            torch.save({"job": job, "state": plain}, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
-        raise
-    os.replace(partial, path)  # a crash mid-write leaves the previous commit intact
-    fsync_dir(directory)  # the rename itself survives a power loss
+    # The default directory is in the shared temporary directory: this user's alone.
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    save_atomically({"job": job, "state": plain}, path)
 
 
 class CommitWriter(BackgroundWriter):
-    """trainbridge's checkpoint writer (one write at a time, in order, errors at ``wait()``) for commits,
+    """The runtime's background writer (one write at a time, in order, errors at ``wait()``) for commits,
     which never lets the process end mid-write."""
 
     def __init__(self) -> None:
@@ -197,8 +184,8 @@ def remove(path: str, why: str = "") -> None:
         os.remove(path)
         if why:
             print(f"hvd.elastic: removed {path}: {why}", flush=True)
-    for partial in glob.glob(glob.escape(path) + ".*.partial"):  # a writer killed mid-write (torchrun stops
-        with contextlib.suppress(OSError):                       # every worker when one fails)
+    for partial in leftover_temporary_files(path):  # a writer killed mid-write (torchrun stops every
+        with contextlib.suppress(OSError):          # worker when one fails)
             os.remove(partial)
     if is_default_location():
         with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ the script) so that the restart can find it. Anything else that the loader
 refuses (a custom object, a lambda ``default_factory``, a ``pathlib.Path``)
 raises ``TypeError`` at ``commit()``, naming the value, instead of a file that
 no restart could read. The test of what the loader accepts is
-``trainbridge.api.files.unloadable_value``, the one ``job.save`` uses.
+``trainbridge.runtime.weights_only.unloadable_value``, the one ``job.save`` uses.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...api.files import PLAIN_TYPES, unloadable_value
+from ...runtime.weights_only import PLAIN_TYPES, unloadable_value
 
 TAG = "__trainbridge.hvd.elastic.typed__"  # first item of a tagged tuple: (TAG, kind, class name, payload)
 CONTAINERS = (list, tuple, set, frozenset)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 import torch
 
 from ..errors import UserError, first_line
+from ..launch import LaunchEnv
 from .base import REDUCE_OPS, Backend, GradientExchange
 from .grad_hooks import HookedAverage
 
@@ -58,6 +59,24 @@ def import_horovod():
     return hvd
 
 
+# Launchers whose variables Horovod does not read: under them each process would be a job of size 1.
+LAUNCHERS_HOROVOD_CANNOT_JOIN = ("torchrun", "spawn", "env")
+
+
+def refuse_horovod_under(env: LaunchEnv, chosen_by: str, otherwise: str) -> None:
+    """UserError when Horovod, chosen by ``chosen_by``, cannot form the job that ``env``'s launcher started.
+
+    Horovod ignores torchrun's (and trainbridge's spawn's, and env://'s) variables, so each
+    process would see size 1 and silently train its own model. The line names the launch
+    that works and ``otherwise``, the other way out. Used by ``--backend horovod`` and by
+    ``TRAINBRIDGE_HVD_BACKEND=horovod`` (:mod:`trainbridge.hvd.delegation`).
+    """
+    if env.launcher in LAUNCHERS_HOROVOD_CANNOT_JOIN:
+        raise UserError(f"{chosen_by} cannot run under {env.launcher}: Horovod would see size 1 in each of the "
+                        f"{env.world_size} processes; launch with horovodrun -np {env.world_size} (or mpirun), "
+                        f"or {otherwise}")
+
+
 def horovod_defaults(device_type: str, timeout: float, elastic: bool = False) -> Dict[str, str]:
     """The environment Horovod reads at init, as trainbridge sets it unless the user did."""
     env = {
@@ -89,14 +108,7 @@ class HorovodBackend(Backend):
     name = "horovod"
 
     def check_launch(self) -> None:
-        if self.env.launcher in ("torchrun", "spawn", "env"):
-            # Horovod ignores torchrun's variables: each process would see size 1
-            # and silently train its own model.
-            raise UserError(
-                f"--backend horovod cannot run under {self.env.launcher}: Horovod would see size 1 in each of the "
-                f"{self.env.world_size} processes; launch with horovodrun -np {self.env.world_size} (or mpirun), "
-                f"or use --backend torch under torchrun"
-            )
+        refuse_horovod_under(self.env, "--backend horovod", f"use --backend torch under {self.env.launcher}")
 
     def init(self) -> None:
         # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change

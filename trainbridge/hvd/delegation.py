@@ -18,14 +18,17 @@ plain python               the torch backend with a one-process group
 reach the workers as OMPI_MCA_* variables, and on the launching node it is an
 ancestor process. Either sign counts. ``TRAINBRIDGE_HVD_BACKEND=horovod|torch``
 overrides the choice (e.g. to use the real Horovod under a bare mpirun), except
-that ``horovod`` is refused under torchrun (and trainbridge's spawn): Horovod
-ignores their variables, so each process would be a job of size 1, training alone.
+that ``horovod`` is refused under torchrun (and trainbridge's spawn, and env://)
+with the same line as ``--backend horovod`` there
+(:func:`trainbridge.backends.horovod.refuse_horovod_under`): Horovod ignores their
+variables, so each process would be a job of size 1, training alone.
 """
 from __future__ import annotations
 
 import os
 from typing import Iterator, Mapping, Optional
 
+from ..backends.horovod import refuse_horovod_under
 from ..errors import UserError
 from ..launch import detect_launch
 
@@ -65,12 +68,9 @@ def use_real_horovod(environ: Optional[Mapping[str, str]] = None) -> bool:
         if override not in ("horovod", "torch"):
             raise UserError(f"TRAINBRIDGE_HVD_BACKEND={override!r}: use 'horovod' or 'torch'")
         env = detect_launch(environ)
-        if override == "horovod" and env.launcher in ("torchrun", "spawn"):
-            # The same refusal as --backend horovod under torchrun (backends/horovod.py).
-            raise UserError(
-                f"TRAINBRIDGE_HVD_BACKEND=horovod cannot run under {env.launcher}: Horovod would see size 1 in each "
-                f"of the {env.world_size} processes; launch with horovodrun -np {env.world_size} (or mpirun), or "
-                f"unset TRAINBRIDGE_HVD_BACKEND under {env.launcher} (trainbridge.hvd then runs on torch.distributed)")
+        if override == "horovod":
+            refuse_horovod_under(env, "TRAINBRIDGE_HVD_BACKEND=horovod", f"unset TRAINBRIDGE_HVD_BACKEND under "
+                                 f"{env.launcher} (trainbridge.hvd then runs on torch.distributed)")
         return override == "horovod"
     launcher = detect_launch(environ).launcher
     return launcher == "horovodrun" or (launcher == "mpirun" and started_by_horovodrun_mpi(environ))

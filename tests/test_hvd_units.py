@@ -251,3 +251,72 @@ def test_commit_file_names_a_value_it_cannot_load_safely(tmp_path):
     with pytest.raises(TypeError, match=r"state\['objects'\]\['custom'\] is a Custom"):
         commit_file.save({"objects": {"epoch": 1, "custom": Custom()}}, str(path))
     assert not path.exists()
+
+
+def _hvd_imports():
+    """{module: the trainbridge modules it imports}, for every module under trainbridge/hvd, read with ``ast``.
+
+    Every import counts, at the top of a module or inside a function (a function-local import
+    still forms a cycle, only a hidden one).
+    """
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "trainbridge"
+    names = {}
+    for path in (package / "hvd").rglob("*.py"):
+        parts = ["trainbridge", *path.relative_to(package).with_suffix("").parts]
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = (path, parts[-1] == "__init__")
+    graph = {}
+    for name, (path, is_package) in names.items():
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+                # ``from package import module`` imports the module; ``from module import name``, the module.
+                found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base for alias in node.names}
+        graph[name] = {target for target in found if target.startswith("trainbridge") and target != name}
+    return graph
+
+
+def test_hvd_imports_nothing_of_the_public_api_and_its_modules_form_no_cycle():
+    graph = _hvd_imports()
+    assert len(graph) > 15, sorted(graph)  # the reading found the modules
+    upward = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                    if target == "trainbridge.api" or target.startswith("trainbridge.api."))
+    assert not upward, "trainbridge.hvd sits below the public API:\n" + "\n".join(upward)
+    inside = {module: {t for t in targets if t in graph} for module, targets in graph.items()}
+    cycles = []
+
+    def visit(module, path):
+        for target in sorted(inside[module]):
+            if target in path:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    done = set()
+    for module in sorted(inside):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, "import cycles inside trainbridge.hvd:\n" + "\n".join(cycles)
+
+
+def test_hvd_has_the_jobs_timeout_and_its_old_variable_still_sets_it():
+    import inspect
+
+    import trainbridge
+    from trainbridge.runtime.timeout import DEFAULT_TIMEOUT_S, timeout_from_environ
+
+    assert inspect.signature(trainbridge.init).parameters["timeout"].default == DEFAULT_TIMEOUT_S == 300.0
+    assert timeout_from_environ({}) == DEFAULT_TIMEOUT_S
+    assert timeout_from_environ({"TRAINBRIDGE_HVD_TIMEOUT": "45"}) == 45.0
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(UserError, match=r"^TRAINBRIDGE_HVD_TIMEOUT="):
+            timeout_from_environ({"TRAINBRIDGE_HVD_TIMEOUT": bad})

@@ -16,92 +16,74 @@ communicators) needs the real Horovod.
 
 Environment read: the launcher's variables (see :mod:`trainbridge.launch`),
 ``HOROVOD_CYCLE_TIME`` (ms, default 1), ``HOROVOD_FUSION_THRESHOLD`` (bytes),
-``TRAINBRIDGE_HVD_TIMEOUT`` (seconds a collective may wait for its peers,
-default 1800), ``HOROVOD_STALL_CHECK_TIME_SECONDS`` / ``HOROVOD_STALL_CHECK_DISABLE``
-(the stall warning) and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (seconds after which
-a stalled operation shuts the job down; default and upper bound: the timeout;
-0 means the timeout), ``HOROVOD_DYNAMIC_PROCESS_SETS``. The default process
+``TRAINBRIDGE_HVD_TIMEOUT`` (seconds a rank waits for its peers: to join, in a
+collective; the job's timeout, default 300 s as ``tb.init``'s, see
+:mod:`trainbridge.runtime.timeout`), ``HOROVOD_STALL_CHECK_TIME_SECONDS`` /
+``HOROVOD_STALL_CHECK_DISABLE`` (the stall warning) and
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (seconds after which a stalled operation shuts
+the job down; default and upper bound: the timeout; 0 means the timeout),
+``HOROVOD_DYNAMIC_PROCESS_SETS``. The default process
 group outlives ``shutdown()`` so that ``init()`` may be called again; it is
 destroyed at interpreter exit.
 """
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import os
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
 
 from ..launch import detect_launch
 from ..launch.rendezvous import join_process_group
+from ..runtime.timeout import timeout_from_environ
+from . import running_job
 from .engine import Engine
 from .process_sets import check_static_sets, global_process_set, static_sets
+from .running_job import Runtime, is_initialized, runtime
 
-DEFAULT_TIMEOUT_S = 1800.0
-
-
-@dataclasses.dataclass
-class Runtime:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    homogeneous: bool
-    engine: Engine
-    groups: List[Any]
-
-
-_runtime: Optional[Runtime] = None
 _owns_default_group = False  # whether init() created the default process group
 _atexit_registered = False
 
 
-def runtime() -> Runtime:
-    """The running job, or Horovod's ValueError when init() has not been called."""
-    if _runtime is None:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return _runtime
-
-
-def _timeout() -> float:
-    return float(os.environ.get("TRAINBRIDGE_HVD_TIMEOUT", DEFAULT_TIMEOUT_S))
-
-
-def _stall_shutdown() -> float:
-    """Seconds a stalled operation may wait before the job shuts down (never more than the timeout)."""
+def _stall_shutdown(timeout: float) -> float:
+    """Seconds a stalled operation may wait before the job shuts down (never more than ``timeout``)."""
     seconds = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0) or 0)
-    return min(seconds, _timeout()) if seconds > 0 else _timeout()
+    return min(seconds, timeout) if seconds > 0 else timeout
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job (idempotent); register ``process_sets`` (a list of hvd.ProcessSet, or "dynamic")."""
-    global _runtime, _owns_default_group, _atexit_registered
+    """Join the job (idempotent); register ``process_sets`` (a list of hvd.ProcessSet, or "dynamic").
+
+    The job's timeout bounds every wait for the peers, joining included: ``TRAINBRIDGE_HVD_TIMEOUT``
+    seconds, default 300 as ``tb.init(timeout=...)`` (``hvd.init`` keeps Horovod's signature).
+    """
+    global _owns_default_group, _atexit_registered
     if comm not in (None, []):
         raise NotImplementedError("hvd.init(comm=...) (MPI communicators) needs the real Horovod (start the job "
                                   "with horovodrun --mpi); on the torch backend use hvd.init(process_sets=[...])")
     sets = static_sets(process_sets)
-    if _runtime is not None:
+    if is_initialized():
         return
+    timeout = timeout_from_environ()
+    stall_shutdown = _stall_shutdown(timeout)
     env = detect_launch()
     if not dist.is_initialized():
         # The torch backend's rendezvous and process group, without its one-GPU-per-rank
         # device choice: as with Horovod, the script calls torch.cuda.set_device itself,
         # so the default group is gloo (the engine adds an nccl group for CUDA tensors).
-        join_process_group(env, "gloo", timeout=min(_timeout(), 300.0))
+        join_process_group(env, "gloo", timeout=timeout)
         _owns_default_group = True
     rank, size = dist.get_rank(), dist.get_world_size()
     # The negotiation group's timeout is the stall shutdown limit: a peer that stops
     # cycling while this rank waits for it ends the wait there (see engine.py).
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_stall_shutdown()))
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=stall_shutdown))
     groups = [control]
     cuda_group = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda_group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=_timeout()))
+        cuda_group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=timeout))
         groups.append(cuda_group)
     # Horovod's cross rank/size: the ranks that share this process's local rank, one per node.
     # The static process sets travel along, so that every rank checks them the same way.
@@ -117,13 +99,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     peers = [r for r, (lr, _, _) in enumerate(layouts) if lr == local_rank]
     engine = Engine(rank, size, control, cuda_group,
                     cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0,
-                    static_sets=[tuple(ps.ranks) for ps in sets], timeout=_timeout(),
-                    stall_shutdown_s=_stall_shutdown())
+                    static_sets=[tuple(ps.ranks) for ps in sets], timeout=timeout,
+                    stall_shutdown_s=stall_shutdown)
     for set_id, ps in enumerate(sets, start=1):
         ps.process_set_id = set_id
     global_process_set.ranks = list(range(size))
-    _runtime = Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
-                       len({ls for _, ls, _ in layouts}) == 1, engine, groups)
+    running_job.replace(Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
+                                len({ls for _, ls, _ in layouts}) == 1, engine, groups))
     if not _atexit_registered:
         atexit.register(_at_exit)
         _atexit_registered = True
@@ -131,8 +113,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def shutdown() -> None:
     """Leave the job; pending operations on every rank fail with HorovodInternalError."""
-    global _runtime
-    current, _runtime = _runtime, None
+    current = running_job.replace(None)
     if current is None:
         return
     current.engine.stop()
@@ -149,11 +130,6 @@ def _at_exit() -> None:
             # Every rank's engine stopped at the same cycle, so nothing is in flight: no barrier needed.
             dist.destroy_process_group()
         _owns_default_group = False
-
-
-def is_initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown`."""
-    return _runtime is not None
 
 
 def size() -> int:

@@ -26,6 +26,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .reduce_ops import UnregisteredProcessSetError
+from .running_job import is_initialized, runtime
 
 DYNAMIC_VARIABLE = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
@@ -53,7 +54,6 @@ class ProcessSet:
         self.process_set_id = None
 
     def _registered(self) -> Optional[Tuple[int, ...]]:
-        from .process import is_initialized, runtime
         if self.process_set_id is None or not is_initialized():
             return None
         return runtime().engine.process_sets.get(self.process_set_id)
@@ -68,18 +68,17 @@ class ProcessSet:
 
         Collectives still take *global* ranks (``broadcast``'s root_rank).
         """
-        from .process import rank
         ranks = self._registered()
         if ranks is None:
             return None
-        if rank() not in ranks:
-            raise ValueError(f"rank {rank()} is not a member of {self}")
-        return ranks.index(rank())
+        rank = runtime().rank
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not a member of {self}")
+        return ranks.index(rank)
 
     def included(self) -> Optional[bool]:
         """Whether this process is in the set (None for a set without ranks)."""
-        from .process import rank
-        return None if self.ranks is None else rank() in self.ranks
+        return None if self.ranks is None else runtime().rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -129,7 +128,6 @@ def check_static_sets(by_rank: Sequence[Sequence[Tuple[int, ...]]], size: int) -
 
 def set_ranks(process_set: Any, rank: int) -> Tuple[int, Tuple[int, ...]]:
     """(id, ranks) of a registered set that includes ``rank``; ValueError otherwise (before anything is sent)."""
-    from .process import runtime
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     ranks = runtime().engine.process_sets.get(process_set.process_set_id)
@@ -144,7 +142,6 @@ def set_ranks(process_set: Any, rank: int) -> Tuple[int, Tuple[int, ...]]:
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a new set on every rank (all ranks call it, in the same order); returns it, registered."""
-    from .process import runtime
     engine = runtime().engine
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
@@ -164,7 +161,6 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` on every rank (all ranks call it); False for the global or an unknown set."""
-    from .process import runtime
     engine = runtime().engine
     process_set_id = process_set.process_set_id
     if process_set_id is None or process_set_id == 0:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
+from ..runtime.watchdog import WatchdogThread
 from .loader_workers import describe_workers, kill_workers
 
 WATCHDOG_EXIT_CODE = 124
@@ -76,7 +77,8 @@ class Watchdog:
     when one lasts too long, so the launcher can tear the job down; the ranks'
     lines side by side then show a rank that died (no line) or ranks that wait in
     different calls (a mismatch). The time between waits is this rank's own work
-    (a long evaluation, data preparation) and is never cut short.
+    (a long evaluation, data preparation) and is never cut short. The checks run on
+    :class:`trainbridge.runtime.watchdog.WatchdogThread`, as ``trainbridge.hvd``'s stall check does.
     """
 
     def __init__(self, timeout: float, rank: int) -> None:
@@ -86,7 +88,7 @@ class Watchdog:
         self.what: Optional[str] = None  # the wait in progress
         self.waited_for = FOR_PEERS
         self.failed_in: Optional[str] = None  # the wait an exception (a collective's own timeout) ended
-        threading.Thread(target=self._watch, name="trainbridge-watchdog", daemon=True).start()
+        self._thread = WatchdogThread(self._check, min(1.0, timeout / 10), name="trainbridge-watchdog")
 
     @contextlib.contextmanager
     def waiting(self, what: str, waited_for: Tuple[str, str] = FOR_PEERS) -> Iterator[None]:
@@ -111,14 +113,12 @@ class Watchdog:
     def disarm(self) -> None:
         self.what = None
 
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 10))
-            what, (whom, causes), waited = self.what, self.waited_for, time.monotonic() - self.since
-            if what is not None and waited > self.limit:
-                print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
-                      f"(timeout {self.timeout:g}s): {causes}", file=sys.stderr, flush=True)
-                if self.waited_for is FOR_WORKERS:
-                    print(describe_workers(), file=sys.stderr, flush=True)
-                kill_workers()  # a stuck DataLoader worker would keep the launcher's output open
-                os._exit(WATCHDOG_EXIT_CODE)
+    def _check(self) -> None:
+        what, (whom, causes), waited = self.what, self.waited_for, time.monotonic() - self.since
+        if what is not None and waited > self.limit:
+            print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
+                  f"(timeout {self.timeout:g}s): {causes}", file=sys.stderr, flush=True)
+            if self.waited_for is FOR_WORKERS:
+                print(describe_workers(), file=sys.stderr, flush=True)
+            kill_workers()  # a stuck DataLoader worker would keep the launcher's output open
+            os._exit(WATCHDOG_EXIT_CODE)

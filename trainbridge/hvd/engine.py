@@ -27,11 +27,11 @@ Contract (the same as Horovod's background loop):
   them. A set's lane ends when the set is removed or the job shuts down.
 * A rank that rejects its own input (see ``reject``) still announces the
   operation, so its peers fail it too instead of waiting for it.
-* No operation waits for ever. A watchdog thread prints, after
-  HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
+* No operation waits for ever. A watchdog (trainbridge's, :mod:`trainbridge.runtime.watchdog`)
+  prints, after HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
   turns it off), each operation this rank has waited for and the ranks that have
-  not submitted it. After HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default: the
-  collective timeout, TRAINBRIDGE_HVD_TIMEOUT) the job shuts down on every rank and
+  not submitted it. After HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default: the job's
+  timeout, TRAINBRIDGE_HVD_TIMEOUT, 300 s) the job shuts down on every rank and
   the pending operations raise HorovodInternalError naming the stalled one; a
   peer that stopped cycling altogether is caught by the same limit, which is the
   negotiation group's timeout.
@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import first_line
+from ..runtime.timeout import DEFAULT_TIMEOUT_S
+from ..runtime.watchdog import WatchdogThread
 from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
 from .reduce_ops import Average, HorovodInternalError, TORCH_REDUCE_OPS, rejection_error
 
@@ -128,7 +130,7 @@ class Engine:
 
     def __init__(self, rank: int, size: int, control_group: Any, cuda_group: Any = None,
                  cycle_time: float = 0.001, static_sets: Sequence[Tuple[int, ...]] = (),
-                 timeout: float = 1800.0, stall_shutdown_s: Optional[float] = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, stall_shutdown_s: Optional[float] = None,
                  lane_of: Optional["Engine"] = None, set_id: int = 0) -> None:
         """The global engine; with ``lane_of`` (the global engine) and ``set_id``, the lane of that process set."""
         self.rank, self.size = rank, size
@@ -168,9 +170,9 @@ class Engine:
         suffix = f"-set{set_id}" if set_id else ""
         self._thread = threading.Thread(target=self._loop, name=f"trainbridge-hvd-engine{suffix}", daemon=True)
         self._thread.start()
-        self._stopped = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="trainbridge-hvd-stall-check", daemon=True)
-        self._watchdog.start()
+        period = max(0.05, min(1.0, (self._stall_s or 1.0) / 4, (stall_shutdown_s or 1.0) / 4))
+        self._watchdog = WatchdogThread(self._check_stalls, period, name="trainbridge-hvd-stall-check",
+                                        alive=self._thread.is_alive)
 
     # ----- caller side ------------------------------------------------------
     def _name(self, name: Optional[str], kind: str) -> str:
@@ -256,8 +258,7 @@ class Engine:
             lane._request_stop()
         self._request_stop()
         self._thread.join()
-        self._stopped.set()
-        self._watchdog.join()
+        self._watchdog.stop()
         for lane in lanes:
             lane.stop()
         if self._lane_of is not None:
@@ -345,31 +346,29 @@ class Engine:
                          f"ranks {self._missing(request)} have not submitted it)")
         return "; ".join(parts)
 
-    def _watch(self) -> None:
+    def _check_stalls(self) -> None:
         """Report stalled operations and, past the shutdown limit, shut the job down (see the docstring)."""
-        period = max(0.05, min(1.0, (self._stall_s or 1.0) / 4, (self._stall_shutdown_s or 1.0) / 4))
-        while self._thread.is_alive() and not self._stopped.wait(period):
-            now = time.monotonic()
-            if self._stall_s is not None:
+        now = time.monotonic()
+        if self._stall_s is not None:
+            with self._cv:
+                fresh = [r for r in self._local.values()
+                         if not r.stall_reported and now - r.submitted_at > self._stall_s]
+                for request in fresh:
+                    request.stall_reported = True
+            if fresh:
+                print(f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
+                      f"Unnamed operations are numbered per process and process set, so every member must issue "
+                      f"them in the same order", file=sys.stderr, flush=True)
+        if self._stall_shutdown_s is not None:
+            stalled = self._stalled(now, self._stall_shutdown_s)
+            if stalled:
+                reason = (f"Horovod has been shut down: rank {self.rank} waited more than "
+                          f"{self._stall_shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, at most "
+                          f"TRAINBRIDGE_HVD_TIMEOUT) for {self._describe(stalled)}")
                 with self._cv:
-                    fresh = [r for r in self._local.values()
-                             if not r.stall_reported and now - r.submitted_at > self._stall_s]
-                    for request in fresh:
-                        request.stall_reported = True
-                if fresh:
-                    print(f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
-                          f"Unnamed operations are numbered per process and process set, so every member must issue "
-                          f"them in the same order", file=sys.stderr, flush=True)
-            if self._stall_shutdown_s is not None:
-                stalled = self._stalled(now, self._stall_shutdown_s)
-                if stalled:
-                    reason = (f"Horovod has been shut down: rank {self.rank} waited more than "
-                              f"{self._stall_shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, at most "
-                              f"TRAINBRIDGE_HVD_TIMEOUT) for {self._describe(stalled)}")
-                    with self._cv:
-                        if not isinstance(self._shutdown_requested, str):
-                            self._shutdown_requested = reason
-                            self._cv.notify_all()
+                    if not isinstance(self._shutdown_requested, str):
+                        self._shutdown_requested = reason
+                        self._cv.notify_all()
 
     def _close(self, error: HorovodInternalError) -> None:
         for lane in list(self._lanes.values()):

@@ -386,6 +386,7 @@ def check_result(result, world_size):
         assert result["samples"][size] == EPOCHS * steps * 30, f"size {size}: {result['samples'][size]} samples"
 
 
+@pytest.mark.launch
 def test_one_process_trains_whole_global_batches_and_moves_the_weights(one_process):
     check_result(one_process, 1)
     for size in SIZES:
@@ -396,6 +397,7 @@ def test_one_process_trains_whole_global_batches_and_moves_the_weights(one_proce
         assert max((weights[k] - initial[k]).abs().max().item() for k in weights) > 1e-2
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_every_world_size_trains_the_samples_and_weights_of_one_process(name, one_process, tmp_path):
     world_size, command = LAUNCHES[name]

@@ -1,0 +1,217 @@
+"""trainbridge.api.job: ``tb.init`` and the ``Job`` a loop uses, on a one-rank torch job in this process.
+
+One ``tb.init`` serves the module (:mod:`one_rank_job` puts the process back afterwards).
+What needs several ranks (averaging, ranks that disagree) is the launches' to test.
+"""
+import argparse
+import copy
+import os
+import random
+import signal
+import sys
+
+import numpy
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+import trainbridge as tb
+from one_rank_job import one_rank_job
+from trainbridge.api.process_end import current, excepthook
+from trainbridge.api.stop import StopSignal
+from trainbridge.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def job():
+    with one_rank_job() as job:
+        yield job
+    assert current.job is None
+
+
+def test_init_joins_as_rank_0_of_1_and_installs_the_one_line_excepthook(job):
+    assert (job.rank, job.world_size, job.local_rank, job.is_main) == (0, 1, 0, True)
+    assert (job.backend_name, job.launcher, job.device) == ("torch", "env", torch.device("cpu"))
+    assert current.job is job and sys.excepthook is excepthook
+    assert isinstance(signal.getsignal(signal.SIGTERM).__self__, StopSignal)
+    assert repr(job) == "Job(backend=torch, rank=0, world_size=1, local_rank=0, device=cpu, launcher=env)"
+    assert job.watchdog.what is None  # disarmed once joined
+
+
+def test_a_second_init_is_one_line_naming_the_fix(job):
+    with pytest.raises(UserError, match=r"tb.init\(\) was already called in this process; use the job it returned"):
+        tb.init(backend="torch")
+    assert current.job is job
+
+
+# ----- prepare, backward, step ------------------------------------------------------------------
+def test_training_through_the_job_matches_the_plain_loop(job):
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    module = copy.deepcopy(plain)
+    model, optimizer = job.prepare(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+    reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(4):
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        optimizer.zero_grad()
+        job.backward(torch.nn.functional.mse_loss(model(x), y))
+        norm = job.clip_grad_norm_(model, max_norm=1e9)
+        job.step(optimizer)
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        assert torch.isclose(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+        reference.step()
+    for ours, theirs in zip(job.unwrap(model).parameters(), plain.parameters()):
+        assert torch.equal(ours, theirs)
+    assert job.unwrap(model) is module and list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_no_sync_then_one_backward_averages_the_summed_micro_batches(job):
+    torch.manual_seed(1)
+    module = torch.nn.Linear(3, 1)
+    plain = copy.deepcopy(module)
+    model, _ = job.prepare(module)
+    first, second = torch.randn(5, 3), torch.randn(5, 3)
+    with job.no_sync(model):
+        job.backward(model(first).sum())
+    job.backward(model(second).sum())
+    plain(torch.cat([first, second])).sum().backward()
+    assert torch.allclose(module.weight.grad, plain.weight.grad, atol=1e-6)
+
+
+def test_a_model_is_prepared_once(job):
+    model, _ = job.prepare(torch.nn.Linear(1, 1))
+    with pytest.raises(UserError, match="this model was already prepared"):
+        job.prepare(model)
+    with pytest.raises(UserError, match="this model was already prepared"):
+        job.prepare(job.unwrap(model))
+
+
+def test_an_unknown_amp_is_one_line(job):
+    with pytest.raises(UserError, match="amp 'fp8' is not supported; use off, bf16 or fp16"):
+        job.prepare(torch.nn.Linear(1, 1), amp="fp8")
+    assert job.amp == "off"
+
+
+# ----- collectives ------------------------------------------------------------------------------
+def test_collectives_of_one_rank(job):
+    tensor = torch.tensor([2.0, -1.0])
+    for op in ("sum", "mean", "max"):
+        assert torch.equal(job.allreduce(tensor, op), tensor)
+    with pytest.raises(UserError, match="allreduce op 'min' is not supported; use sum, mean or max"):
+        job.allreduce(tensor, "min")
+    gathered = job.allgather(torch.arange(3))
+    assert len(gathered) == 1 and torch.equal(gathered[0], torch.arange(3))
+    assert job.allgather_object({"loss": 0.5}) == [{"loss": 0.5}]
+    assert job.broadcast(("a", 1)) == ("a", 1)
+    assert job.decide_on_main(lambda: 42) == 42
+    job.barrier()
+    with job.main_first():
+        pass
+    assert job.watchdog.what is None  # every call disarmed its wait on the way out
+
+
+# ----- save and load ----------------------------------------------------------------------------
+def draws():
+    return torch.rand(3).tolist(), random.random(), numpy.random.rand()
+
+
+def test_load_puts_back_the_state_and_every_random_stream(job, tmp_path):
+    torch.manual_seed(2)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    model, optimizer = job.prepare(module, torch.optim.Adam(module.parameters(), lr=0.01))
+    job.backward(model(torch.ones(4, 2)).sum())
+    job.step(optimizer)
+    job.set_seed(5)
+    saved_weights = copy.deepcopy(module.state_dict())
+    job.save({"model": model, "optimizer": optimizer, "epoch": 3}, str(tmp_path / "ckpt.pt"))
+    expected = draws()
+    job.backward(model(torch.ones(4, 2)).sum())
+    job.step(optimizer)  # the weights and Adam's moments move on
+    job.set_seed(99)
+    into = {"model": model, "optimizer": optimizer, "epoch": 0}
+    assert job.load(str(tmp_path / "ckpt.pt"), into) is into
+    assert draws() == expected  # torch, Python and numpy continue where the save was
+    assert into["epoch"] == 3
+    for key, value in saved_weights.items():
+        assert torch.equal(module.state_dict()[key], value)
+    assert optimizer.state_dict()["state"][0]["step"] == 1
+    raw = job.load(str(tmp_path / "ckpt.pt"))
+    assert set(raw) == {"model", "optimizer", "epoch", "rng"} and raw["rng"]["world_size"] == 1
+
+
+def test_background_saves_rotate_and_copy_and_a_load_waits_for_them(job, tmp_path):
+    last, previous, copy_path = (str(tmp_path / name) for name in ("last.pt", "previous.pt", "copy.pt"))
+    for value in range(3):
+        job.save({"value": torch.tensor(value)}, last, keep_previous=previous, background=True, copies=[copy_path])
+    assert job.load(last)["value"] == 2  # the writes in flight land first
+    assert job.load(previous)["value"] == 1 and job.load(copy_path)["value"] == 2
+    job.wait_for_saves()
+
+
+def test_a_failed_background_save_raises_at_the_next_wait(job, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    job.save({"v": 1}, str(tmp_path / "a_file" / "x.pt"), background=True)
+    with pytest.raises(UserError, match=r"cannot write the checkpoint .*a_file/x\.pt"):
+        job.wait_for_saves()
+    job.wait_for_saves()  # reported once
+
+
+@pytest.mark.parametrize("obj, message", [
+    ([1, 2], "job.save takes a dict of what to save, got a list"),
+    ({"rng": 1}, "the key 'rng' is where every rank's random streams are saved"),
+    ({"args": argparse.Namespace(lr=0.1)}, r"job.save: \['args'\] holds a argparse.Namespace .*could never be loaded"),
+])
+def test_what_save_refuses_is_one_line_and_writes_nothing(job, tmp_path, obj, message):
+    with pytest.raises(UserError, match=message):
+        job.save(obj, str(tmp_path / "x.pt"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_into_names_a_missing_key_and_another_model(job, tmp_path):
+    job.save({"model": torch.nn.Linear(2, 2)}, str(tmp_path / "ckpt.pt"))
+    with pytest.raises(UserError, match="has no 'optimizer'; it holds model; load it into the same keys"):
+        job.load(str(tmp_path / "ckpt.pt"), {"optimizer": None})
+    with pytest.raises(UserError, match=r"'model' is for another model: missing keys: none; unexpected keys: none; "
+                                        r"shape mismatches: weight, bias"):
+        job.load(str(tmp_path / "ckpt.pt"), {"model": torch.nn.Linear(3, 3)})
+
+
+def test_the_train_loader_resumes_from_a_saved_file_at_the_next_batch(job, tmp_path):
+    dataset = TensorDataset(torch.arange(40.0).unsqueeze(1))
+    loader = job.train_loader(dataset, batch_size=4, seed=3)
+    batches = iter(loader)
+    seen = [next(batches)[0] for _ in range(3)]
+    job.save({"loader": loader}, str(tmp_path / "ckpt.pt"))
+    rest = [batch[0] for batch in batches]
+    assert len(seen) + len(rest) == len(loader) == 10
+    resumed = job.train_loader(dataset, batch_size=4, seed=3)
+    job.load(str(tmp_path / "ckpt.pt"), {"loader": resumed})
+    assert len(resumed) == 7
+    assert all(torch.equal(a, b) for a, b in zip(rest, (batch[0] for batch in resumed), strict=True))
+    assert resumed.epoch == 1 and resumed.position == 0  # the next pass is the next epoch, whole
+    other_seed = job.train_loader(dataset, batch_size=4, seed=4)
+    with pytest.raises(UserError, match="seeded with 3, this one with 4; pass seed=3"):
+        job.load(str(tmp_path / "ckpt.pt"), {"loader": other_seed})
+
+
+def test_the_eval_loader_gives_every_sample_once(job):
+    loader = job.eval_loader(TensorDataset(torch.arange(10)), batch_size=4)
+    assert [batch[0].tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+# ----- stopping ---------------------------------------------------------------------------------
+def test_should_stop_agrees_one_step_after_sigterm(job, monkeypatch):
+    def refuse(pid, signum):  # a handler that would kill pytest raises instead
+        raise AssertionError(f"the handler sent signal {signum} to pid {pid}")
+    monkeypatch.setattr(os, "kill", refuse)
+    try:
+        assert job.should_stop() is False  # the loop asks: SIGTERM now only sets the flag
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert job.should_stop() is False
+        assert job.should_stop() is True and job.drain_stop() is True
+    finally:
+        job._stop.drain()
+        job._stop.received = job._stop.stopping = False  # the other tests' job is not stopping
+    assert dist.is_initialized()

@@ -1,0 +1,177 @@
+"""trainbridge.training.checkpoint: which checkpoint a run resumes from, one job per output
+directory, and setting an earlier run's files aside."""
+import os
+import socket
+
+import pytest
+import torch
+
+from python_child import run_python
+from trainbridge.api.files import atomic_save
+from trainbridge.errors import UserError
+from trainbridge.training.checkpoint import (FORMAT, LOCK, choose_resume, load_model_state, lock_output_dir,
+                                             read_checkpoint, set_aside_previous_run)
+
+
+class Notes(list):
+    """The ``note`` callback: what the run would print."""
+
+    def __call__(self, line: str) -> None:
+        self.append(line)
+
+
+def write_checkpoint(path, step: int) -> None:
+    atomic_save({"format": FORMAT, "step": step, "model": {"w": torch.full((2,), float(step))}}, str(path))
+
+
+def write_corrupt(path) -> None:
+    path.write_bytes(b"PK\x03\x04 not a whole zip")
+
+
+# ----- choose_resume ----------------------------------------------------------------------------
+def test_never_starts_afresh_whatever_is_there(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 5)
+    assert choose_resume("never", str(tmp_path), Notes()) == (None, None)
+
+
+def test_auto_in_an_empty_folder_starts_afresh(tmp_path):
+    notes = Notes()
+    assert choose_resume("auto", str(tmp_path / "not-yet"), notes) == (None, None)
+    assert notes == []
+
+
+def test_auto_takes_last_before_previous(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 5)
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    path, checkpoint = choose_resume("auto", str(tmp_path), Notes())
+    assert path == str(tmp_path / "last.pt") and checkpoint["step"] == 5
+
+
+def test_auto_takes_previous_when_there_is_no_last(tmp_path):
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    path, checkpoint = choose_resume("auto", str(tmp_path), Notes())
+    assert path == str(tmp_path / "previous.pt") and checkpoint["step"] == 4
+
+
+def test_auto_moves_a_corrupt_last_aside_says_so_and_takes_previous(tmp_path):
+    write_corrupt(tmp_path / "last.pt")
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    notes = Notes()
+    path, checkpoint = choose_resume("auto", str(tmp_path), notes)
+    assert path == str(tmp_path / "previous.pt") and checkpoint["step"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["last.pt.corrupt", "previous.pt"]
+    assert len(notes) == 1 and "last.pt is corrupt or truncated" in notes[0]
+    assert f"moved it to {tmp_path / 'last.pt.corrupt'}; trying the previous checkpoint" in notes[0]
+
+
+def test_auto_with_every_file_corrupt_is_one_line_and_moves_both_aside(tmp_path):
+    write_corrupt(tmp_path / "last.pt")
+    write_corrupt(tmp_path / "previous.pt")
+    with pytest.raises(UserError, match=r"no loadable checkpoint in .*: .*last\.pt, .*previous\.pt corrupt .*"
+                                        r"use --resume never"):
+        choose_resume("auto", str(tmp_path), Notes())
+    assert sorted(os.listdir(tmp_path)) == ["last.pt.corrupt", "previous.pt.corrupt"]
+
+
+def test_auto_never_moves_a_readable_file_that_is_not_a_trainbridge_checkpoint(tmp_path):
+    torch.save({"w": torch.ones(1)}, tmp_path / "last.pt")  # someone's weights, readable
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    with pytest.raises(UserError, match="is not a trainbridge checkpoint"):
+        choose_resume("auto", str(tmp_path), Notes())
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "previous.pt"]
+
+
+def test_a_path_is_loaded_or_named_in_one_line(tmp_path):
+    write_checkpoint(tmp_path / "elsewhere.pt", 9)
+    path, checkpoint = choose_resume(str(tmp_path / "elsewhere.pt"), str(tmp_path / "out"), Notes())
+    assert path == str(tmp_path / "elsewhere.pt") and checkpoint["step"] == 9
+    with pytest.raises(UserError, match=r"missing\.pt does not exist; check the path, or use --resume auto/never"):
+        choose_resume(str(tmp_path / "missing.pt"), str(tmp_path), Notes())
+    write_corrupt(tmp_path / "bad.pt")
+    with pytest.raises(UserError, match="corrupt or truncated .*pass --resume with another file"):
+        choose_resume(str(tmp_path / "bad.pt"), str(tmp_path), Notes())
+    assert (tmp_path / "bad.pt").exists()  # a file named by the user is never moved
+
+
+def test_read_checkpoint_wants_the_format_tag(tmp_path):
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(UserError, match=f"no format tag {FORMAT!r}"):
+        read_checkpoint(str(tmp_path / "list.pt"))
+
+
+def test_load_model_state_names_the_keys_of_another_model():
+    model = torch.nn.Linear(2, 3)
+    load_model_state(model, {"weight": torch.zeros(3, 2), "bias": torch.ones(3)}, "ckpt.pt")
+    assert torch.equal(model.bias, torch.ones(3))
+    with pytest.raises(UserError, match=r"checkpoint ckpt\.pt is for another model: missing keys: bias; .*"
+                                        r"shape mismatches: weight; use the --model it was trained with"):
+        load_model_state(model, {"weight": torch.zeros(1, 2)}, "ckpt.pt")
+
+
+# ----- lock_output_dir --------------------------------------------------------------------------
+LOCK_IN_CHILD = """
+    from trainbridge.errors import UserError
+    from trainbridge.training.checkpoint import lock_output_dir
+    try:
+        lock_output_dir({directory!r}, note=print)
+        print("locked")
+    except UserError as exc:
+        print(exc)
+"""
+
+
+def test_a_second_job_in_the_folder_is_refused_and_a_dead_jobs_lock_is_free(tmp_path):
+    directory = str(tmp_path / "out")
+    ended = run_python(LOCK_IN_CHILD.format(directory=directory))  # takes the lock and ends
+    assert ended.returncode == 0 and ended.stdout.strip() == "locked", ended
+    notes = Notes()
+    lock_output_dir(directory, notes)  # the kernel dropped the child's lock
+    lock_output_dir(directory, notes)  # this process again: nothing to do
+    assert notes == []
+    holder = f"host {socket.gethostname()}, pid {os.getpid()}"
+    # Not read here: closing any descriptor of the lock file in this process would drop its POSIX lock.
+    refused = run_python(LOCK_IN_CHILD.format(directory=directory))
+    assert refused.returncode == 0, refused
+    assert refused.stdout.strip() == (f"--output-dir {directory} is in use by another job ({holder}): this one would "
+                                      f"resume from its live checkpoints and write over them; wait for it to finish, "
+                                      f"or pass another --output-dir")
+    assert (tmp_path / "out" / LOCK).read_text() == holder + "\n"  # (this drops the lock, as documented)
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match=r"--output-dir .*a_file/out is not writable \(.*\); pass a folder"):
+        lock_output_dir(str(tmp_path / "a_file" / "out"), Notes())
+
+
+# ----- set_aside_previous_run -------------------------------------------------------------------
+def test_nothing_to_set_aside_in_an_empty_or_unrelated_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    notes = Notes()
+    assert set_aside_previous_run(str(tmp_path), notes) is None
+    assert os.listdir(tmp_path) == ["notes.txt"] and notes == []
+
+
+def test_an_earlier_runs_files_move_to_a_folder_of_their_own(tmp_path):
+    run_files = ["last.pt", "previous.pt", "best.pt", "final.pt", "metrics.jsonl", "report_val.json",
+                 "confusion_val.png", "last.pt.corrupt"]
+    kept = ["notes.txt", ".failed-at-step-3", LOCK]  # the user's, and the restarted run's own
+    for name in run_files + kept:
+        (tmp_path / name).write_text(name)
+    notes = Notes()
+    aside = set_aside_previous_run(str(tmp_path), notes)
+    assert os.path.dirname(aside) == str(tmp_path) and os.path.basename(aside).startswith("previous-run-")
+    assert sorted(os.listdir(aside)) == sorted(run_files)
+    assert all((tmp_path / os.path.basename(aside) / name).read_text() == name for name in run_files)
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + [os.path.basename(aside)])
+    assert notes == [f"[trainbridge] starting afresh: the earlier run's files in {tmp_path} were moved to {aside}"]
+
+
+def test_two_fresh_starts_within_a_second_get_two_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr("time.strftime", lambda fmt: "20250101-000000")
+    (tmp_path / "last.pt").write_text("first")
+    first = set_aside_previous_run(str(tmp_path), Notes())
+    (tmp_path / "last.pt").write_text("second")
+    second = set_aside_previous_run(str(tmp_path), Notes())
+    assert first.endswith("previous-run-20250101-000000") and second == first + ".2"
+    assert (tmp_path / os.path.basename(second) / "last.pt").read_text() == "second"

@@ -22,7 +22,7 @@ test: setup
 # and its apt steps): it assumes the venv exists, so run `make setup` (or `make test`) once first.
 FAST_TESTS = tests/unit tests/test_hvd_units.py tests/test_launch_detection.py tests/test_multihost_units.py \
 	tests/test_sharding.py tests/test_models.py tests/test_loaders.py tests/test_designsafe_units.py \
-	tests/test_cli_flags.py tests/test_train_options.py
+	tests/test_cli_flags.py tests/test_train_options.py tests/test_architecture.py
 
 test-fast:
 	$(VENV)/bin/python -m pytest -q --durations=10 -m "not launch" $(FAST_TESTS)

@@ -35,7 +35,7 @@ def runtime() -> Runtime:
 
 
 def is_initialized() -> bool:
-    """True between :func:`hvd.init <.process.init>` and :func:`hvd.shutdown <.process.shutdown>`."""
+    """True between ``hvd.init()`` and ``hvd.shutdown()``."""
     return _current is not None
 
 

@@ -52,6 +52,9 @@ def _load_file(path: str, kind: str):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    if spec is None or spec.loader is None:  # not a file Python can import (no .py ending)
+        raise UserError(f"{kind} file {path} cannot be imported as Python; give the path of a .py file as "
+                        f"./file.py:Name")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec: pickling (spawned workers) and dataclasses look it up
     try:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Tuple, cast
 
 import torch
 
 try:
     import numpy
 except ImportError:  # torch runs without numpy; then there is no numpy stream to keep
-    numpy = None
+    numpy = None  # type: ignore[assignment]
 
 
 def seed_host(seed: int) -> None:
@@ -57,7 +57,7 @@ def rng_state() -> Dict[str, Any]:
         state["torch"] = torch.cat([state["torch"], torch.cuda.get_rng_state()])
     state["python"] = random.getstate()
     if numpy is not None:
-        _, key, pos, has_gauss, gauss = numpy.random.get_state()
+        _, key, pos, has_gauss, gauss = cast(Tuple[str, Any, int, int, float], numpy.random.get_state(legacy=True))
         state["numpy"] = {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "gauss": float(gauss)}
     return state

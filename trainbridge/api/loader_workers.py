@@ -72,9 +72,10 @@ def with_worker_setup(options: Dict[str, Any]) -> Optional[WorkerSetup]:
     return setup
 
 
-def _live_workers() -> List[multiprocessing.Process]:
+def _live_workers() -> List[int]:
+    """The pids of this process's daemonic children: its loaders' DataLoader workers."""
     try:
-        return [child for child in multiprocessing.active_children() if child.daemon]
+        return [child.pid for child in multiprocessing.active_children() if child.daemon and child.pid is not None]
     except Exception:  # noqa: BLE001 - on the way out: never raise over the failure being reported
         return []
 
@@ -85,16 +86,16 @@ def describe_workers() -> str:
     about to end because its workers never delivered."""
     py_spy = shutil.which("py-spy", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     parts = []
-    for worker in _live_workers():
+    for pid in _live_workers():
         if py_spy is not None:
             try:
-                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(worker.pid)], capture_output=True,
+                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
                                       text=True, timeout=20)
-                parts.append(f"DataLoader worker {worker.pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
+                parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
                 continue
             except (OSError, subprocess.SubprocessError):
                 pass
-        parts.append(f"DataLoader worker {worker.pid}: " + ", ".join(_thread_waits(worker.pid))
+        parts.append(f"DataLoader worker {pid}: " + ", ".join(_thread_waits(pid))
                      + " (pip install py-spy for its stacks)")
     return "\n".join(parts)
 
@@ -116,8 +117,8 @@ def kill_workers() -> None:
         # A live loader's SIGCHLD handler would read the kill as a worker that failed and raise
         # "DataLoader worker (pid N) is killed by signal" over a rank that had finished (seen: 1 run in 60).
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in _live_workers():
+    for pid in _live_workers():
         try:
-            os.kill(child.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except (OSError, TypeError):
             pass

@@ -49,8 +49,9 @@ def _loader_options(dataset: Dataset, device: torch.device, options: Dict[str, A
     if options.get("num_workers", 0) > 0:
         options.setdefault("persistent_workers", True)
     # A dataset that gathers whole batches itself (__getitems__ returning a batch) brings its own collate.
-    if "collate_fn" not in options and getattr(dataset, "collate_fn", None) is not None:
-        options["collate_fn"] = dataset.collate_fn
+    collate_fn = getattr(dataset, "collate_fn", None)
+    if "collate_fn" not in options and collate_fn is not None:
+        options["collate_fn"] = collate_fn
     return options
 
 
@@ -124,7 +125,7 @@ class TrainLoader:
             raise UserError(f"train_loader: the dataset has {size} samples, fewer than one global batch of "
                             f"{batch_size * world_size} ({batch_size} per rank x {world_size} ranks), so no step "
                             f"would train; lower batch_size to at most {size // world_size}")
-        self.dataset, self.batch_size, self.device, self.seed = dataset, batch_size, device, seed
+        self.dataset, self.size, self.batch_size, self.device, self.seed = dataset, size, batch_size, device, seed
         self.world_size, self.rank = world_size, rank
         self.batches = TrainBatches(size, batch_size, rank, world_size, seed)
         self.options = _loader_options(dataset, device, dict(dataloader_options))
@@ -157,10 +158,10 @@ class TrainLoader:
         """Batches in the pass in progress (or the next one): a whole epoch, or after a resume its rest."""
         if self._open is not None:
             return self._steps
-        return steps_in_pass(len(self.dataset), self.global_batch_size, self._next_pass()[1])
+        return steps_in_pass(self.size, self.global_batch_size, self._next_pass()[1])
 
     def _next_pass(self) -> Tuple[int, int]:
-        if steps_in_pass(len(self.dataset), self.global_batch_size, self._position) == 0:
+        if steps_in_pass(self.size, self.global_batch_size, self._position) == 0:
             return self._epoch + 1, 0  # the epoch is trained to its end
         return self._epoch, self._position
 
@@ -176,16 +177,17 @@ class TrainLoader:
         if self._loader is None:  # built once: persistent workers survive across epochs
             self._loader = DataLoader(SeededDataset(self.dataset), batch_sampler=self.batches,
                                       generator=self._generator, **self.options)
-        if self._loader.num_workers and (not self._loader.persistent_workers
-                                         or getattr(self._loader, "_iterator", None) is None):
+        loader = self._loader
+        if self._worker_setup is not None and (not loader.persistent_workers
+                                               or getattr(loader, "_iterator", None) is None):
             self.before_fork()  # the workers are forked now
             self._worker_setup.before_fork()
         with self._waiting("train_loader's start of its DataLoader workers"):
-            batches = iter(self._loader)
+            batches = iter(loader)
         return self._pass(token, batches)
 
     def _waiting(self, what: str) -> ContextManager:
-        return self.worker_wait(what) if self._loader.num_workers else contextlib.nullcontext()
+        return self.worker_wait(what) if self._worker_setup is not None else contextlib.nullcontext()
 
     def _pass(self, token: object, batches: Iterator[Any]) -> Iterator[Any]:
         try:
@@ -210,7 +212,7 @@ class TrainLoader:
         """The loader's position: epoch, samples of it already handed out, seed, dataset size, global batch."""
         epoch, position = self._next_pass()
         return {"epoch": epoch, "position": position, "seed": self.seed,
-                "dataset_size": len(self.dataset), "global_batch_size": self.global_batch_size}
+                "dataset_size": self.size, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Continue from a :meth:`state_dict`: the next pass starts there. Dataset size and seed must match.
@@ -218,9 +220,9 @@ class TrainLoader:
         Another world size is accepted: with the same global batch, the same steps
         follow, dealt among the new ranks.
         """
-        if state["dataset_size"] != len(self.dataset):
+        if state["dataset_size"] != self.size:
             raise UserError(f"the checkpoint's train loader had {state['dataset_size']} samples, this one has "
-                            f"{len(self.dataset)}; resume with the same dataset or start a fresh run")
+                            f"{self.size}; resume with the same dataset or start a fresh run")
         if state["seed"] != self.seed:
             raise UserError(f"the checkpoint's train loader was seeded with {state['seed']}, this one with "
                             f"{self.seed}; pass seed={state['seed']} to resume the same order")
@@ -251,7 +253,7 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if not self.loader.num_workers:
+        if self._worker_setup is None:  # no workers
             return (to_device(batch, self.device) for batch in self.loader)
         self.before_fork()  # every pass forks its workers
         self._worker_setup.before_fork()

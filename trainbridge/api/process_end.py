@@ -71,11 +71,12 @@ def report_failure(exc: BaseException) -> Optional[int]:
         if not exc.quiet:
             report_error(str(exc))
         return 2
-    message = current.job.backend.describe_failure(exc) if current.job is not None else None
-    if message is None:
+    job = current.job
+    message = job.backend.describe_failure(exc) if job is not None else None
+    if job is None or message is None:
         return None
-    if current.job.watchdog.failed_in is not None:  # so that ranks in different calls read as a mismatch
-        message = f"{message} (this rank waited in {current.job.watchdog.failed_in})"
+    if job.watchdog.failed_in is not None:  # so that ranks in different calls read as a mismatch
+        message = f"{message} (this rank waited in {job.watchdog.failed_in})"
     # A peer's failure is the consequence of another rank's: let that rank's own line
     # reach the launcher's summary first (torchrun names the earliest error as the cause).
     _leave_on_sigterm()
@@ -108,6 +109,7 @@ def excepthook(exc_type, exc, tb) -> None:
     if current.job is not None:
         current.job.backend.shutdown(clean=False)
     kill_workers()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     os._exit(code)  # the collective library's threads must not hold the process open

@@ -69,9 +69,11 @@ class HookedAverage:
         if not self.finishing:
             self.finishing = True
             Variable._execution_engine.queue_callback(self._finish)
-        if p.grad.is_sparse:  # averaged dense, as Horovod's sparse_as_dense
-            p.grad = p.grad.to_dense()
-        self.pending[p] = self.start_average(p.grad, self.names[p])
+        grad = p.grad
+        assert grad is not None  # the hook runs once the gradient is accumulated into p.grad
+        if grad.is_sparse:  # averaged dense, as Horovod's sparse_as_dense
+            grad = p.grad = grad.to_dense()
+        self.pending[p] = self.start_average(grad, self.names[p])
 
     def _finish(self) -> None:
         """End of a backward pass that reached the model: wait for every average to land in ``p.grad``."""
@@ -93,6 +95,7 @@ class HookedAverage:
                         p.grad = torch.zeros_like(p)
                     pending[p] = self.start_average(p.grad, self.names[p])
         for p, wait in pending.items():
-            averaged = wait()
-            if averaged is not p.grad:
-                p.grad.copy_(averaged)
+            averaged, grad = wait(), p.grad
+            assert grad is not None  # every pending average was started from p.grad
+            if averaged is not grad:
+                grad.copy_(averaged)

@@ -49,7 +49,7 @@ import os
 import platform
 import secrets
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple, cast
 
 import torch
 
@@ -122,21 +122,22 @@ class ShmAllreduce:
         exchange, created, token, why = None, None, 0, supported()
         try:
             if rank == 0 and why is None:
-                path, token = f"/dev/shm/trainbridge-{os.getpid()}-{secrets.token_hex(6)}", secrets.randbits(62) + 1
+                ours, token = f"/dev/shm/trainbridge-{os.getpid()}-{secrets.token_hex(6)}", secrets.randbits(62) + 1
                 try:
-                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                    created = path
+                    fd = os.open(ours, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    created = ours
                     try:
                         os.posix_fallocate(fd, 0, size)  # reserve now: a full /dev/shm fails here, not with SIGBUS later
                     finally:
                         os.close(fd)
-                    exchange = cls(_map(path, size), rank, world_size, chunk, timeout)
+                    exchange = cls(_map(ours, size), rank, world_size, chunk, timeout)
                     exchange.tokens[0] = token  # before the broadcast, so that every reader sees it
                 except OSError as exc:
                     why = f"cannot reserve {size >> 20} MiB in /dev/shm ({exc.strerror})"
-            path, token, why = broadcast_object((created if why is None else None, token, why))
+            path, token, why = cast(Tuple[Optional[str], int, Optional[str]],
+                                    broadcast_object((created if why is None else None, token, why)))
             mine = why
-            if rank != 0 and why is None:
+            if rank != 0 and why is None and path is not None:  # rank 0 created it (path is None only with a why)
                 try:
                     exchange = cls(_map(path, size), rank, world_size, chunk, timeout)
                     # A rank that reads rank 0's token back mapped rank 0's file: it shares rank 0's host.
@@ -153,6 +154,7 @@ class ShmAllreduce:
         if all(a is None for a in answers):
             # Every pid is written now. A rank that cannot see its peers' processes
             # (separate pid namespaces) could not tell a dead peer from a slow one.
+            assert exchange is not None  # every rank mapped the file
             blind = not all(_alive(int(pid)) for pid in exchange.pids)
             answers = allgather_object(f"rank {rank} cannot see the other ranks' processes" if blind else None)
         refusals = [a for a in answers if a is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP check
 
 def shm_average_hook(shm: ShmAllreduce, bucket):
     """DDP comm hook: average the bucket through shared memory (synchronously) instead of gloo."""
-    done = torch.futures.Future()
+    done: torch.futures.Future = torch.futures.Future()
     done.set_result(shm.average_(bucket.buffer()))
     return done
 
@@ -46,7 +46,7 @@ def shm_average_hook(shm: ShmAllreduce, bucket):
 # --compression: DDP comm hooks, by (compression, process group backend).
 # DDP's switch for the per-forward broadcast of rank 0's buffers (see wrap): torch 2.13
 # renamed broadcast_buffers to forward_sync_buffers.
-NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+NO_FORWARD_BUFFER_SYNC: Dict[str, Any] = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                           else {"broadcast_buffers": False})
 _COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook, ("fp16", "gloo"): default_hooks.fp16_compress_hook,

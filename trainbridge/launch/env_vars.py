@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from ..errors import UserError
-from .environment import LaunchEnv, read_int
+from .environment import LaunchEnv, read_int, required_int
 
 REQUIRED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -27,8 +27,8 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         return None
     return LaunchEnv(
         launcher="env",
-        rank=read_int(environ, "RANK"),
-        world_size=read_int(environ, "WORLD_SIZE"),
+        rank=required_int(environ, "RANK"),
+        world_size=required_int(environ, "WORLD_SIZE"),
         local_rank=read_int(environ, "LOCAL_RANK", default=0),
         local_size=read_int(environ, "LOCAL_WORLD_SIZE", default=1),
         node_rank=read_int(environ, "GROUP_RANK", "NODE_RANK", default=0),

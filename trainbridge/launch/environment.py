@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional
+from typing import Mapping, Optional, overload
 
 from ..errors import UserError
 
@@ -29,6 +29,14 @@ class LaunchEnv:
     master_port: Optional[int] = None
 
 
+@overload
+def read_int(environ: Mapping[str, str], *names: str, default: int) -> int: ...
+
+
+@overload
+def read_int(environ: Mapping[str, str], *names: str, default: None = None) -> Optional[int]: ...
+
+
 def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
     """The first of ``names`` present in ``environ``, as an int (one line if it is not one)."""
     for name in names:
@@ -40,6 +48,15 @@ def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = N
                 raise UserError(f"the environment variable {name}={value!r} is not a whole number; set it to "
                                 f"one (or unset it)") from None
     return default
+
+
+def required_int(environ: Mapping[str, str], name: str) -> int:
+    """``name``, which the launcher sets, as an int; one line if it is empty or not a number."""
+    value = read_int(environ, name)
+    if value is None:
+        raise UserError(f"the environment variable {name} is empty; the launcher sets it: start the job with "
+                        f"the launcher again (or unset it)")
+    return value
 
 
 def available_cores() -> int:

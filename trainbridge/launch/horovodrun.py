@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .environment import LaunchEnv, read_int
+from .environment import LaunchEnv, read_int, required_int
 
 
 def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
@@ -17,8 +17,8 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         return None
     return LaunchEnv(
         launcher="horovodrun",
-        rank=read_int(environ, "HOROVOD_RANK"),
-        world_size=read_int(environ, "HOROVOD_SIZE"),
+        rank=required_int(environ, "HOROVOD_RANK"),
+        world_size=required_int(environ, "HOROVOD_SIZE"),
         local_rank=read_int(environ, "HOROVOD_LOCAL_RANK", default=0),
         local_size=read_int(environ, "HOROVOD_LOCAL_SIZE", default=1),
         node_rank=read_int(environ, "HOROVOD_CROSS_RANK", default=0),

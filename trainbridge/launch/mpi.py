@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .environment import LaunchEnv, read_int
+from .environment import LaunchEnv, read_int, required_int
 
 
 def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
     if "OMPI_COMM_WORLD_SIZE" in environ:
-        world_size = read_int(environ, "OMPI_COMM_WORLD_SIZE")
+        world_size = required_int(environ, "OMPI_COMM_WORLD_SIZE")
         local_size = read_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", default=1)
         return LaunchEnv(
             launcher="mpirun",
-            rank=read_int(environ, "OMPI_COMM_WORLD_RANK"),
+            rank=required_int(environ, "OMPI_COMM_WORLD_RANK"),
             world_size=world_size,
             local_rank=read_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
             local_size=local_size,
@@ -26,8 +26,8 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
     if "PMI_SIZE" in environ and "PMI_RANK" in environ:
         return LaunchEnv(
             launcher="mpirun",
-            rank=read_int(environ, "PMI_RANK"),
-            world_size=read_int(environ, "PMI_SIZE"),
+            rank=required_int(environ, "PMI_RANK"),
+            world_size=required_int(environ, "PMI_SIZE"),
             local_rank=read_int(environ, "MPI_LOCALRANKID", "PMI_LOCAL_RANK", default=0),
             local_size=read_int(environ, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", default=1),
         )

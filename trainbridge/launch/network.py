@@ -28,7 +28,7 @@ def resolve(name: str) -> List[str]:
         infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError):
         return []
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def resolves_only_to_loopback(name: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Optional
 
-from .environment import LaunchEnv, read_int
+from .environment import LaunchEnv, read_int, required_int
 
 DEFAULT_PORT = 29500
 
@@ -39,7 +39,7 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
     job_id = read_int(environ, "SLURM_JOB_ID", default=0)
     return LaunchEnv(
         launcher="srun",
-        rank=read_int(environ, "SLURM_PROCID"),
+        rank=required_int(environ, "SLURM_PROCID"),
         world_size=read_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1),
         local_rank=read_int(environ, "SLURM_LOCALID", default=0),
         local_size=tasks_on_first_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE") or "1"),

@@ -2,7 +2,7 @@
 VENV ?= .venv
 NPROC ?= 2
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast test-torch-versions bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +26,12 @@ FAST_TESTS = tests/unit tests/test_hvd_units.py tests/test_launch_detection.py t
 
 test-fast:
 	$(VENV)/bin/python -m pytest -q --durations=10 -m "not launch" $(FAST_TESTS)
+
+# The API and trainbridge.hvd tests on other torch releases than the development pin: the oldest
+# supported and the newest the package index serves here (each in a venv of its own, removed after).
+TORCH_VERSIONS ?= 2.11.0 2.14.1
+test-torch-versions:
+	REMOVE_VENVS=1 bash scripts/test_torch_versions.sh $(TORCH_VERSIONS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -109,8 +109,8 @@ def read_file(path: str, map_location: Any = "cpu", missing: str = "check the pa
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
         if "Weights only load failed" in str(exc):  # readable, but holds a type outside the allow-list
-            refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                           first_line(exc))
+            refused = next((line.strip() for line in str(exc).splitlines()
+                            if "GLOBAL" in line or "Unsupported" in line), first_line(exc))
             raise UserError(f"checkpoint {path} is intact but holds a value torch.load(weights_only=True) refuses "
                             f"({refused[:200]}); load it with torch.serialization.add_safe_globals([...]) for that "
                             f"type, or, if you trust the file, torch.load(weights_only=False)") from None

@@ -32,9 +32,9 @@ import torch
 
 from ..backends import Backend, GradientExchange, create_backend
 from ..errors import UserError
-from ..random_state import rng_state, seed_everything, set_rng_state
 from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
+from ..random_state import rng_state, seed_everything, set_rng_state
 from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader, dataset_size
 from .model_checks import check_freezing_spelled_right

@@ -27,7 +27,11 @@ from ..errors import UserError
 from .loader_workers import with_worker_setup
 
 _END = object()
-NO_WAIT_BOUND: Callable[[str], ContextManager] = lambda what: contextlib.nullcontext()
+
+
+def NO_WAIT_BOUND(what: str) -> ContextManager:
+    """The default ``worker_wait``: a wait for workers is not bounded."""
+    return contextlib.nullcontext()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

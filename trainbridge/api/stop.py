@@ -92,7 +92,7 @@ class Watchdog:
 
     @contextlib.contextmanager
     def waiting(self, what: str, waited_for: Tuple[str, str] = FOR_PEERS) -> Iterator[None]:
-        """Bound the block, a wait described by ``what``, by ``timeout``; ``waited_for``: whom, and the likely causes."""
+        """Bound the block, a wait described by ``what``, by ``timeout``; ``waited_for``: whom, and likely causes."""
         if self.what is not None:  # inside another wait (a save's barrier): the outer one names it
             yield
             return

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from ..errors import UserError
-from ..plugins import resolve
 from ..launch import LaunchEnv
+from ..plugins import resolve
 from .base import Backend, GradientExchange
 
 # name -> "module:Class", imported only when chosen, so that a missing Horovod

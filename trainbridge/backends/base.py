@@ -116,7 +116,8 @@ class Backend(abc.ABC):
             torch.cuda.set_device(self.local_rank)
             return torch.device("cuda", self.local_rank)
         if self.dist_backend == "nccl":
-            raise UserError('nccl was requested but CUDA is not available; use dist_backend="gloo" (or dist_backend="auto") on CPUs')
+            raise UserError('nccl was requested but CUDA is not available; use dist_backend="gloo" '
+                            '(or dist_backend="auto") on CPUs')
         return torch.device("cpu")
 
     # ----- gradient allreduce -----------------------------------------------

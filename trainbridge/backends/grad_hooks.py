@@ -89,7 +89,7 @@ class HookedAverage:
         if self.find_unused:
             used = torch.tensor([float(p in pending) for _, p in self.params])
             anywhere = self.agree_used(used)
-            for (n, p), flag in zip(self.params, anywhere.tolist()):
+            for (_, p), flag in zip(self.params, anywhere.tolist()):
                 if flag and p not in pending:  # used on another rank: this rank contributes zeros
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)

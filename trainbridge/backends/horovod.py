@@ -228,7 +228,8 @@ class HorovodBackend(Backend):
                 raise UserError(f"Horovod elastic: only {self.hvd.size()} of {self.full_size} workers after "
                                 f"{self.timeout:.0f}s; no replacement came (check --host-discovery-script and "
                                 f"--blacklist-cooldown-range)")
-            self.print(f"[trainbridge] elastic: {self.hvd.size()} of {self.full_size} workers; waiting for a replacement")
+            self.print(f"[trainbridge] elastic: {self.hvd.size()} of {self.full_size} workers; "
+                       f"waiting for a replacement")
             self.elastic_state.check_host_updates()  # raises HostsUpdatedInterrupt when one joins
             time.sleep(1.0)
         return train_fn()

@@ -16,7 +16,8 @@ class LocalBackend(Backend):
         if self.env.world_size > 1:
             raise UserError(
                 f'backend="local" runs one process, but {self.env.launcher} started {self.env.world_size}: '
-                f'each would train its own model; use backend="auto" (or backend="torch" or backend="horovod") under a launcher'
+                f'each would train its own model; use backend="auto" (or backend="torch" or backend="horovod") '
+                f'under a launcher'
             )
 
     def init(self) -> None:

@@ -127,7 +127,8 @@ class ShmAllreduce:
                     fd = os.open(ours, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     created = ours
                     try:
-                        os.posix_fallocate(fd, 0, size)  # reserve now: a full /dev/shm fails here, not with SIGBUS later
+                        # Reserve now: a full /dev/shm fails here, not with SIGBUS later.
+                        os.posix_fallocate(fd, 0, size)
                     finally:
                         os.close(fd)
                     exchange = cls(_map(ours, size), rank, world_size, chunk, timeout)

@@ -23,7 +23,6 @@ from .base import REDUCE_OPS, Backend, GradientExchange
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
 
-
 def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP checks them as objects
     """torch's bf16_compress_hook for gloo, which reduces bfloat16 but which torch's hook refuses (NCCL only)."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -49,8 +48,10 @@ def shm_average_hook(shm: ShmAllreduce, bucket):
 NO_FORWARD_BUFFER_SYNC: Dict[str, Any] = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                           else {"broadcast_buffers": False})
-_COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook, ("fp16", "gloo"): default_hooks.fp16_compress_hook,
-                   ("bf16", "nccl"): default_hooks.bf16_compress_hook, ("bf16", "gloo"): bf16_compress_hook_gloo}
+_COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook,
+                   ("fp16", "gloo"): default_hooks.fp16_compress_hook,
+                   ("bf16", "nccl"): default_hooks.bf16_compress_hook,
+                   ("bf16", "gloo"): bf16_compress_hook_gloo}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
 
@@ -172,8 +173,8 @@ class TorchBackend(Backend):
             shm, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
                                          self.timeout, self.broadcast_object, self.allgather_object)
         if why is not None and mode == "on":
-            raise UserError(f'shm_allreduce="on" is not possible: {why}; use shm_allreduce="auto" or shm_allreduce="off"',
-                            quiet=not self.is_main)
+            raise UserError(f'shm_allreduce="on" is not possible: {why}; use shm_allreduce="auto" or '
+                            f'shm_allreduce="off"', quiet=not self.is_main)
         if why is not None and self.pg_backend == "gloo":
             self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")
         return shm

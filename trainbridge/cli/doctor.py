@@ -20,10 +20,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..version import __version__
 from ..backends.horovod import HOROVOD_FIX, horovod_problem
 from ..launch import detect_launch
 from ..optional import OPTIONAL
+from ..version import __version__
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trainbridge/cli/doctor.py -> trainbridge
 
@@ -44,7 +44,8 @@ def horovod_build() -> List[Tuple[str, str]]:
     yes = {True: "yes", False: "no"}
     return [
         ("horovod frameworks", "PyTorch"),  # importing horovod.torch proves the PyTorch extension
-        ("horovod controllers", ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built())) if ok) or "none"),
+        ("horovod controllers", ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()))
+                                          if ok) or "none"),
         ("horovod tensor ops", ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()),
                                                            ("NCCL", hvd.nccl_built()), ("DDL", hvd.ddl_built()),
                                                            ("CCL", hvd.ccl_built())) if ok) or "none"),
@@ -73,7 +74,8 @@ def report() -> List[Tuple[str, str]]:
         ("torchvision", tv),
         ("horovod", version("horovod")),
         ("mpi4py", version("mpi4py")),
-        ("CUDA available", yes[torch.cuda.is_available()] + (f" ({torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else "")),
+        ("CUDA available", yes[torch.cuda.is_available()]
+         + (f" ({torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else "")),
         ("NCCL (torch)", yes[dist.is_nccl_available()]),
         ("Gloo (torch)", yes[dist.is_gloo_available()]),
         ("MPI (torch)", yes[dist.is_mpi_available()]),
@@ -83,7 +85,8 @@ def report() -> List[Tuple[str, str]]:
     ]
     rows += horovod_build()
     rows.append(("optional packages", missing_optional()))
-    rows.append(("launcher", f"{env.launcher} (rank {env.rank} of {env.world_size}, local rank {env.local_rank} of {env.local_size})"))
+    rows.append(("launcher", f"{env.launcher} (rank {env.rank} of {env.world_size}, "
+                             f"local rank {env.local_rank} of {env.local_size})"))
     return rows
 
 

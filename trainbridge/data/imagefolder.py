@@ -91,8 +91,8 @@ def check_layout(root: str, decode_images: bool = True) -> Dict[str, List[str]]:
         for name in classes:
             files = image_files(os.path.join(split_dir, name))
             if not files:
-                raise UserError(f"class folder {os.path.join(split_dir, name)} has no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                                f"add images or remove the class from every split")
+                raise UserError(f"class folder {os.path.join(split_dir, name)} has no images "
+                                f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the class from every split")
             if decode_images:
                 for path in files:
                     check_image(path)

@@ -40,19 +40,64 @@ if using_real_horovod:
     globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 else:
     from . import elastic
-    from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
-                             mpi_threads_supported, nccl_built, rocm_built)
-    from .collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
-                              alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
-                              broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
-                              grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                              grouped_reducescatter, grouped_reducescatter_async, join, poll, reducescatter,
-                              reducescatter_async, sparse_allreduce_async, synchronize)
+    from .build_info import (
+        ccl_built,
+        cuda_built,
+        ddl_built,
+        gloo_built,
+        gloo_enabled,
+        mpi_built,
+        mpi_enabled,
+        mpi_threads_supported,
+        nccl_built,
+        rocm_built,
+    )
+    from .collectives import (
+        allgather,
+        allgather_async,
+        allreduce,
+        allreduce_,
+        allreduce_async,
+        allreduce_async_,
+        alltoall,
+        alltoall_async,
+        barrier,
+        broadcast,
+        broadcast_,
+        broadcast_async,
+        broadcast_async_,
+        grouped_allgather,
+        grouped_allgather_async,
+        grouped_allreduce,
+        grouped_allreduce_,
+        grouped_allreduce_async,
+        grouped_allreduce_async_,
+        grouped_reducescatter,
+        grouped_reducescatter_async,
+        join,
+        poll,
+        reducescatter,
+        reducescatter_async,
+        sparse_allreduce_async,
+        synchronize,
+    )
     from .compression import Compression
     from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
     from .optimizer import DistributedOptimizer
-    from .process import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-                          shutdown, size, start_timeline, stop_timeline)
+    from .process import (
+        cross_rank,
+        cross_size,
+        init,
+        is_homogeneous,
+        is_initialized,
+        local_rank,
+        local_size,
+        rank,
+        shutdown,
+        size,
+        start_timeline,
+        stop_timeline,
+    )
     from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
     from .reduce_ops import Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
     from .sync_batch_norm import SyncBatchNorm

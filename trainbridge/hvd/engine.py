@@ -56,7 +56,7 @@ from ..errors import first_line
 from ..runtime.timeout import DEFAULT_TIMEOUT_S
 from ..runtime.watchdog import WatchdogThread
 from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
-from .reduce_ops import Average, HorovodInternalError, TORCH_REDUCE_OPS, rejection_error
+from .reduce_ops import TORCH_REDUCE_OPS, Average, HorovodInternalError, rejection_error
 
 # gloo has no int16 kernels (and nccl no bool): such tensors travel widened.
 TRANSPORT_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
@@ -439,7 +439,7 @@ class Engine:
         with self._cv:  # if a collective below fails, _close fails these too
             self._executing = [request for _, request in runnable if request is not None]
         allreduces = [(d, r) for d, r in runnable if d.kind == "allreduce"]
-        for (decision, request), outputs in zip(allreduces, self._reduce(allreduces)):
+        for (_, request), outputs in zip(allreduces, self._reduce(allreduces)):
             if request is not None:
                 if request.outputs is not None:
                     outputs = [target.copy_(out) for target, out in zip(request.outputs, outputs)]

@@ -136,7 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         for p in self._requires_update - set(self._handles):
             self._handles[p] = self._allreduce_grad_async(p)
-        for p, (handle, ctx) in list(self._handles.items()):
+        for p, (handle, _) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in self._handles.items():
@@ -167,7 +167,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                               "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                              "your code.")
+                              "your code.", stacklevel=1)  # attributed here, as in horovod.torch
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
@@ -197,7 +197,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("backward_passes_per_step must be > 0")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning)
+                      DeprecationWarning, stacklevel=1)  # attributed here, as in horovod.torch
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, sparse_as_dense, process_set)

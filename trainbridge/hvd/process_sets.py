@@ -3,7 +3,8 @@
 A process set is a sorted list of global ranks; collectives given
 ``process_set=`` are negotiated and run among those ranks only (the set's own
 ``torch.distributed.new_group`` and engine thread, see engine.py), average over
-the set's size and number unnamed operations per process and set. Root ranks (``broadcast``) stay *global* ranks, as in Horovod.
+the set's size and number unnamed operations per process and set. Root ranks
+(``broadcast``) stay *global* ranks, as in Horovod.
 
 * Static sets: ``hvd.init(process_sets=[ProcessSet([0, 2]), ...])``. Every rank
   must pass the same sets (the order of ranks inside a set does not matter);

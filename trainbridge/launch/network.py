@@ -84,7 +84,7 @@ def gloo_interface_for(peer: str) -> Optional[str]:
 
 def first_external_address() -> Optional[str]:
     """An IPv4 address of the first interface that is up and not loopback, or None."""
-    for name, addrs in sorted(interface_addresses().items()):
+    for _, addrs in sorted(interface_addresses().items()):
         for address in addrs:
             if not is_loopback(address):
                 return address

@@ -28,8 +28,15 @@ from typing import Tuple
 from ..errors import UserError, first_line
 from ..optional import require
 from .environment import LaunchEnv
-from .network import (first_external_address, gloo_interface_for, interface_of, is_loopback, reachable_address, resolve,
-                      resolves_only_to_loopback)
+from .network import (
+    first_external_address,
+    gloo_interface_for,
+    interface_of,
+    is_loopback,
+    reachable_address,
+    resolve,
+    resolves_only_to_loopback,
+)
 
 
 def free_port() -> int:
@@ -79,10 +86,10 @@ def share_over_horovodrun(env: LaunchEnv, environ, timeout: float) -> Tuple[str,
     while True:
         try:
             return tuple(read_data_from_kvstore(*server, scope, key))
-        except RuntimeError:
+        except RuntimeError as exc:
             if time.monotonic() > deadline:
                 raise UserError(f"rank 0 did not publish a torch rendezvous address on horovodrun's server "
-                                f"{server[0]}:{server[1]} within {timeout:.0f}s")
+                                f"{server[0]}:{server[1]} within {timeout:.0f}s") from exc
             time.sleep(0.1)
 
 
@@ -141,12 +148,12 @@ def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
         started = time.monotonic()
         try:
             theirs = int(store.get(f"trainbridge/world_size/{other}"))
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             if time.monotonic() - started < timeout:  # the store went away: rank 0 failed
                 raise UserError(f"rank {rank} lost the rendezvous store on rank 0 before the job "
                                 f"started; rank 0 failed: see its error") from None
             raise UserError(f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
-                            f"expecting {world_size} processes); check that every rank was started")
+                            f"expecting {world_size} processes); check that every rank was started") from exc
         if theirs != world_size:
             if rank == 0:
                 time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
@@ -217,4 +224,6 @@ def choose_gloo_interface(env: LaunchEnv, rendezvous_addr: str, environ=None) ->
 
 
 def names_loopback(addresses) -> str:
-    return f"resolves only to loopback ({', '.join(addresses)})" if addresses else "does not resolve (gloo takes loopback)"
+    if not addresses:
+        return "does not resolve (gloo takes loopback)"
+    return f"resolves only to loopback ({', '.join(addresses)})"

@@ -154,7 +154,7 @@ def format_report(report: Dict[str, object]) -> str:
         row = report["per_class"][name]  # type: ignore[index]
         lines.append(f"{name:<{width}}  {pct(row['precision'])}%    {pct(row['recall'])}%  {row['support']:7d}")
     lines.append(f"{'accuracy':<{width}}  {pct(report['accuracy'])}% of {report['samples']}")
-    lines.append(f"confusion matrix (rows: true, columns: predicted)")
+    lines.append("confusion matrix (rows: true, columns: predicted)")
     lines.append(" " * width + "  " + " ".join(f"{n:>{width}}" for n in names))
     for name, counts in zip(names, report["confusion_matrix"]):  # type: ignore[arg-type]
         lines.append(f"{name:<{width}}  " + " ".join(f"{c:>{width}d}" for c in counts))

@@ -16,13 +16,17 @@ from ..api import Job
 from ..tasks import Task
 from ..tasks.checks import check_loss
 
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def cpu_bf16_warning(amp: str, device: torch.device) -> Optional[str]:
-    """bf16 autocast on a CPU without AVX512-BF16 or AMX converts to and from fp32 around its kernels: allowed, but said."""
+    """bf16 autocast on a CPU without AVX512-BF16 or AMX converts to and from fp32 around its kernels.
+
+    Allowed, but said: the warning line, or None where there is nothing to say.
+    """
     if amp != "bf16" or device.type != "cpu" or cpu_has_bf16():
         return None
     return (f"[trainbridge] warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 "

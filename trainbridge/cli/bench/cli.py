@@ -141,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report.write_json(result, out / "bench.json")
     report.write_markdown(result, out / "bench.md")
     report.write_png(result, out / "bench.png")
-    for name, w in result["workloads"].items():
+    for w in result["workloads"].values():
         print("\n".join(report.target_table(w["targets"])))
     print(f"[bench] wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     if failed:

@@ -118,7 +118,8 @@ def baseline_parser(description: str) -> argparse.ArgumentParser:
 
 
 # The rows that a user choosing a library compares, each under torchrun: whole runs, not only steady state.
-PEER_SCRIPTS = {"trainbridge_loop": "trainbridge_loop.py", "accelerate": "accelerate_loop.py", "fabric": "fabric_loop.py"}
+PEER_SCRIPTS = {"trainbridge_loop": "trainbridge_loop.py", "accelerate": "accelerate_loop.py",
+                "fabric": "fabric_loop.py"}
 PEERS = ("ddp_tutorial", "accelerate", "fabric")  # what users would pick instead of trainbridge
 COMPARED = ("torch_gloo", "trainbridge_loop", *PEERS)  # also run with 3 ranks to count validation samples
 

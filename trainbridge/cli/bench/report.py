@@ -67,7 +67,8 @@ def target_table(targets: List[Dict[str, Any]]) -> List[str]:
             threshold, met = "-", "reference"
         else:
             sign = "<=" if t["metric"] == "wall_seconds" else ">="
-            threshold, met = f"{sign} {t['threshold']:.2f}", {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
+            threshold = f"{sign} {t['threshold']:.2f}"
+            met = {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['id']} {t['name']} | `{t['config']}` / {reference} | {fmt(t['ratio'], '.3f')} "
                      f"| {threshold} | {met} | {ratio_spread(t) or 'n/a'} |")
     return lines
@@ -88,8 +89,8 @@ def markdown(result: Dict[str, Any]) -> str:
                 f"{w['steps']} optimizer steps per process, the first {w['warmup_steps']} (and each epoch's "
                 f"first) left out of the timing; batch {w['batch_size']} per process.", "",
                 *config_table(w["configs"]), "", "### trainbridge and its peers, whole runs", "",
-                f"Each run evaluates at every epoch end and writes a checkpoint; wall time is from the launcher's "
-                f"start to its exit. Validation samples counted: a separate run of each with 3 ranks.", "",
+                "Each run evaluates at every epoch end and writes a checkpoint; wall time is from the launcher's "
+                "start to its exit. Validation samples counted: a separate run of each with 3 ranks.", "",
                 *peer_table(w["configs"], w.get("val_set_size")), "",
                 "### Targets", "", *target_table(w["targets"]), ""]
         for key, c in w["configs"].items():

@@ -32,8 +32,8 @@ import psutil
 
 from .configs import COMPARED, REPO_ROOT, BenchConfig, build_matrix
 from .gpu_busy import GpuBusy
-from .workloads import Workload
 from .measure import read_final
+from .workloads import Workload
 
 # A benchmark run must not inherit the launcher of whoever started the bench.
 LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_", "TORCHELASTIC_")
@@ -179,7 +179,8 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     final = read_final(str(run_dir))
     if code != 0 or not final.get("samples_per_second"):
         result.status = "failed"
-        result.error = f"exit {code}, {'no final metrics' if not final else 'no throughput'}; stderr tail:\n{tail(stderr)}"
+        result.error = (f"exit {code}, {'no final metrics' if not final else 'no throughput'}; "
+                        f"stderr tail:\n{tail(stderr)}")
         return result
     for field in ("samples_per_second", "step_time_median", "step_time_p90", "peak_rss_mb_per_rank", "val_samples"):
         setattr(result, field, final.get(field))
@@ -207,8 +208,8 @@ def run_quietly(config: BenchConfig, repeat: int, run_dir: Path, timeout: float,
     for attempt in range(1 + noisy_retries):
         if settle_seconds > 0:
             wait_until_quiet(settle_seconds)
-        result = run_once(config, repeat, run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-try{attempt + 1}"),
-                          timeout)
+        attempt_dir = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-try{attempt + 1}")
+        result = run_once(config, repeat, attempt_dir, timeout)
         attempts.append(result)
         killed_from_outside = result.status == "failed" and result.exit_code in (-signal.SIGKILL, -signal.SIGTERM)
         noisy = (result.status == "ok" and noise_limit is not None and result.foreign_cpu is not None

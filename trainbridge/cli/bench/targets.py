@@ -78,7 +78,8 @@ def evaluate(target: Target, configs: Dict[str, Dict[str, Any]]) -> Dict[str, An
     row["scale"] = scale
     row["ratio"] = mine[target.metric] / (ref * scale)
     if target.threshold is not None:
-        row["met"] = (row["ratio"] <= target.threshold) if target.lower_is_better else (row["ratio"] >= target.threshold)
+        row["met"] = ((row["ratio"] <= target.threshold) if target.lower_is_better
+                      else (row["ratio"] >= target.threshold))
     a = values_by_repeat(mine, target.metric)
     b = [values_by_repeat(r, target.metric) for r in refs]
     row["ratio_per_repeat"] = [round(a[k] / (best([v[k] for v in b], target.lower_is_better) * scale), 4)

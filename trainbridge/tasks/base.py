@@ -100,7 +100,8 @@ class Task(abc.ABC):
         """A freshly initialised model (the loop seeds the RNG first)."""
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The training and validation loss; ``reduction`` is "mean" (training) or "sum" (evaluation). Default: cross-entropy."""
+        """The training and validation loss; ``reduction`` is "mean" (training) or "sum" (evaluation).
+        Default: cross-entropy."""
         return torch.nn.functional.cross_entropy(outputs, targets, reduction=reduction)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:

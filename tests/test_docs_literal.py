@@ -27,6 +27,7 @@ PAGES = {  # page -> the output folders its commands must leave a finished run i
     "docs/quickstart.md": ["runs/python", "runs/torchrun", "runs/horovodrun", "runs/mpirun"],
     "docs/guides/own-loop.md": ["runs/own-python", "runs/own-spawn", "runs/own-torchrun", "runs/own-hvd-gloo",
                                 "runs/own-hvd-mpi", "runs/own-mpirun", "runs/own-restarts"],
+    "docs/guides/own-task.md": ["runs/wave", "runs/wave-ddp"],
 }
 pytestmark = pytest.mark.docs_literal
 

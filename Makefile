@@ -2,7 +2,7 @@
 VENV ?= .venv
 NPROC ?= 2
 
-.PHONY: setup run test test-fast test-torch-versions bench clean
+.PHONY: setup run test test-e2e test-fast test-torch-versions lint bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -14,8 +14,13 @@ run:
 		--dataset auto --model convnet-dropout --epochs 10 --batch-size 64 --gamma 0.8 --no-progress \
 		--output-dir runs/mnist
 
+# Every test but the whole product runs of minutes (marker e2e), which `make test-e2e` runs; CI
+# (.ci/run) runs both, then `make test-torch-versions`.
 test: setup
-	$(VENV)/bin/python -m pytest -v --durations=25 tests
+	$(VENV)/bin/python -m pytest -v --durations=25 -m "not e2e" tests
+
+test-e2e: setup
+	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests
 
 # The fast inner loop: the in-process tests only (tests/unit, one file per source module, and the
 # older files that start no launcher), about 80 s on 2 busy cores. It skips the set-up (scripts/setup.sh
@@ -32,6 +37,12 @@ test-fast:
 TORCH_VERSIONS ?= 2.11.0 2.14.1
 test-torch-versions:
 	REMOVE_VENVS=1 bash scripts/test_torch_versions.sh $(TORCH_VERSIONS)
+
+# The linter and the type checker over the package: ruff (settings in ruff.toml), then mypy
+# (setup.cfg's [mypy]). Both come with the test extra, which `make setup` installs.
+lint:
+	$(VENV)/bin/python -m ruff check trainbridge
+	$(VENV)/bin/python -m mypy trainbridge
 
 clean:
 	rm -rf runs .pytest_cache

@@ -24,6 +24,7 @@ CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_
            "independent_bare_loops", "horovod_gloo", "horovod_tutorial_gloo", "horovod_mpi", "horovod_tutorial_mpi"]
 
 
+@pytest.mark.e2e
 def test_quick_bench_reports_every_configuration(tmp_path):
     """The CI smoke test as the README gives it: ``trainbridge bench --quick`` runs MNIST's every configuration."""
     out = tmp_path / "bench"
@@ -86,6 +87,7 @@ def assert_whole_runs(workload):
 DESIGNSAFE_CONFIGS = ["local_all_cores", "bare_loop", "torch_gloo", "ddp_tutorial", "trainbridge_loop", "horovod_gloo"]
 
 
+@pytest.mark.e2e
 def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
     """ResNet34 on the image folder: trainbridge, the DDP tutorial and the DataLoader bare loop run."""
     out = tmp_path / "bench"

@@ -36,6 +36,7 @@ def sample(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_sample_reaches_80_percent_and_learning_rates_agree(launcher, sample, tmp_path):
     out = tmp_path / "out"

@@ -29,7 +29,7 @@ PAGES = {  # page -> the output folders its commands must leave a finished run i
                                 "runs/own-hvd-mpi", "runs/own-mpirun", "runs/own-restarts"],
     "docs/guides/own-task.md": ["runs/wave", "runs/wave-ddp"],
 }
-pytestmark = pytest.mark.docs_literal
+pytestmark = pytest.mark.e2e
 
 
 def shell_blocks(page: Path) -> List[str]:

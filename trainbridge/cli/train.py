@@ -38,6 +38,7 @@ def run_worker(cfg: TrainConfig) -> int:
         finished = True
         return 0
     except Preempted as exc:
+        assert job is not None  # raised by the loop, which runs in a job
         job.print(f"[trainbridge] {exc}")
         finished = True  # every rank stopped at the same step: leave together
         return PREEMPTED_EXIT_CODE

@@ -15,12 +15,13 @@ shard and batch the dataset.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
-
-from torch.utils.data import Dataset
+from typing import TYPE_CHECKING, Dict, List
 
 from ..errors import UserError, first_line
 from ..launch.environment import available_cores
+
+if TYPE_CHECKING:
+    from torchvision.datasets import ImageFolder
 
 SPLIT_FOLDERS = {"train": "Train", "val": "Validation", "test": "Test"}  # split name -> folder under ROOT
 REQUIRED_SPLITS = ("train", "val")
@@ -63,7 +64,7 @@ def check_image(path: str) -> None:
         raise UserError(f"unreadable image file {path} ({first_line(exc)}); replace or delete it") from None
 
 
-def check_layout(root: str, decode_images: bool = True) -> Dict[str, List[str]]:
+def check_layout(root: str, decode_images: bool = True) -> Dict[str, str]:
     """Check the ImageFolder layout under ``root``; returns {split: folder} for the splits present.
 
     Every image is decoded once (``decode_images``) so that a corrupt file is
@@ -114,7 +115,7 @@ def build_transforms(image_size: int, train: bool, imagenet_normalise: bool):
     return T.Compose(steps)
 
 
-def load_split(folder: str, transform) -> Dataset:
+def load_split(folder: str, transform) -> "ImageFolder":
     """torchvision's ImageFolder (labels = sorted class folder names, images converted to RGB),
     reading the classes and files :func:`check_layout` checked: hidden ones are left out.
 

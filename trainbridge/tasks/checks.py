@@ -9,7 +9,7 @@ same task alike: ``quiet=True`` off the main rank leaves the one line to rank 0.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ def check_model(task: Task, model: Any, quiet: bool = False) -> torch.nn.Module:
     return model
 
 
-def check_splits(task: Task, scheduler: str, quiet: bool = False) -> None:
+def check_splits(task: Task, scheduler: Optional[str], quiet: bool = False) -> None:
     """A validation split is None (train without evaluating) or has samples; the plateau scheduler needs one."""
     name = type(task).__name__
     val = task.eval_dataset("val")

@@ -12,7 +12,7 @@ ReduceLROnPlateau on the (globally reduced) validation loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -25,6 +25,9 @@ from ..models.resnet import ensure_imagenet_weights, freeze_backbone
 from ..optional import check_installed
 from .base import Task
 from .options import at_least, option
+
+if TYPE_CHECKING:
+    from torchvision.datasets import ImageFolder
 
 LABEL_SMOOTHING = 0.1
 
@@ -61,7 +64,7 @@ class DesignSafeTask(Task):
     options: ImageFolderOptions
 
     def __init__(self) -> None:
-        self.datasets: Dict[str, torch.utils.data.Dataset] = {}
+        self.datasets: Dict[str, ImageFolder] = {}
         self.classes: List[str] = []
         self.weights_path: Optional[str] = None
         self.workers = 0

@@ -63,7 +63,8 @@ class MnistTask(Task):
 
     def load_data(self, cfg, note) -> str:
         if torch.cuda.is_available():  # the whole set on this rank's GPU: batches gathered without host copies
-            self.data = MnistData(*(Split(s.images.cuda(), s.labels.cuda()) for s in self.data[:2]), self.data.source)
+            train, val = (Split(s.images.cuda(), s.labels.cuda()) for s in (self.data.train, self.data.val))
+            self.data = MnistData(train, val, self.data.source)
         return self.data.source
 
     @property

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import os
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -26,8 +26,7 @@ from ..errors import UserError
 from ..launch import detect_launch
 from ..tasks import Task, create_task
 from ..tasks.checks import check_model, check_splits
-from .checkpoint import (BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint,
-                         set_aside_previous_run)
+from .checkpoint import BEST, LAST, PREVIOUS, choose_resume, load_model_state, read_checkpoint, set_aside_previous_run
 from .config import TrainConfig, changed_options
 from .evaluation import check_first_batch, check_report_libraries, evaluate, report_model
 from .fault_tolerance import Preempted, maybe_fail
@@ -38,8 +37,11 @@ from .rank_agreement import learning_rates_per_rank
 from .state import Progress, TrainState
 from .step import TrainStep, cpu_bf16_warning, memory_format
 
+Row = Dict[str, Any]  # a metrics row: numbers, the backend's name, each rank's learning rate
+
 
 def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Optimizer:
+    assert cfg.lr is not None and cfg.optimizer is not None  # apply_task_defaults has filled them
     # --scale-lr: with N ranks the global batch is N times larger (Goyal et al.).
     lr = cfg.lr * (world_size if cfg.scale_lr else 1)
     params = list(params)
@@ -123,7 +125,7 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
              background=background, copies=[os.path.join(cfg.output_dir, BEST)] if best else [])
 
 
-def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
+def train(cfg: TrainConfig, job: Job) -> Row:
     """Train per ``cfg``; the main rank writes checkpoints, ``metrics.jsonl`` and ``final.pt``."""
     started = time.time()
     task = create_task(cfg.task, cfg.task_options)
@@ -146,7 +148,8 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
         job.print(warning)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     layout = memory_format(cfg.channels_last, job.device)
-    model = check_model(task, task.build_model(cfg), quiet=not job.is_main).to(job.device, memory_format=layout)
+    model = check_model(task, task.build_model(cfg), quiet=not job.is_main)
+    model = model.to(job.device, memory_format=layout)  # type: ignore[call-overload]  # torch's stubs omit memory_format
     check_first_batch(model, task, job, cfg.batch_size)  # metrics that cannot be summed end here, not after an epoch
     optimizer = build_optimizer(cfg, task.trainable_parameters(model), job.world_size)
     checkpoint = find_checkpoint(cfg, job)
@@ -183,12 +186,12 @@ def train(cfg: TrainConfig, job: Job) -> Dict[str, float]:
                 f"--allow-option-changes, or start over with --resume never" if os.path.exists(last) else
                 f"no checkpoint was written; lower --lr (now {cfg.lr})")
 
-    def run_epochs() -> Dict[str, float]:
+    def run_epochs() -> Row:
         # Re-entered by Horovod elastic after a failure: the world may have changed,
         # so the loader is built here, from the live job.
         check_batch_norm(model, cfg, job)
         loader = job.train_loader(task.train_dataset, step_batch, seed=cfg.seed, **task.loader_options("train"))
-        row: Dict[str, float] = {}
+        row: Row = {}
         p = state.progress
         while p.epoch < cfg.epochs and not reached(cfg, p):
             # The pass continues where the state is (a resume, or an elastic roll-back).
@@ -259,7 +262,7 @@ class EpochEnds:
     metrics: MetricsLog
     started: float
 
-    def evaluation_row(self) -> Dict[str, float]:
+    def evaluation_row(self) -> Row:
         cfg, job, p = self.cfg, self.job, self.state.progress
         job.sync_buffers(job.unwrap(self.model))  # evaluate and save one set of BatchNorm statistics
         return {"epoch": p.epoch + (1 if p.position else 0) or 1, "step": p.step,
@@ -268,7 +271,7 @@ class EpochEnds:
                 "world_size": job.world_size, "launcher": job.launcher, "device": str(job.device),
                 "seconds": round(time.time() - self.started, 3), "samples": p.samples}
 
-    def end_of_epoch(self, loss_sum: torch.Tensor, seen: torch.Tensor) -> Dict[str, float]:
+    def end_of_epoch(self, loss_sum: torch.Tensor, seen: torch.Tensor) -> Row:
         """Evaluate, step the scheduler, log, and checkpoint (last.pt, and best.pt when it improved)."""
         cfg, job, state, p = self.cfg, self.job, self.state, self.state.progress
         train_loss_sum, train_seen = job.allreduce(torch.stack([loss_sum, seen]).double(), "sum").tolist()
@@ -281,7 +284,8 @@ class EpochEnds:
             state.scheduler.step(row["val_loss"]) if cfg.scheduler == "plateau" else state.scheduler.step()
         # Each rank's learning rate for the next epoch; fails loudly if any rank disagrees.
         row["next_lr_per_rank"] = learning_rates_per_rank(state.optimizer, job)
-        improved = "val_loss" in row and p.improves(row.get("val_accuracy"), row["val_loss"])  # none without a val split
+        # No val_loss without a validation split: then no epoch is the best.
+        improved = "val_loss" in row and p.improves(row.get("val_accuracy"), row["val_loss"])
         if improved:
             p.best_accuracy, p.best_loss, p.best_epoch = row.get("val_accuracy"), row["val_loss"], row["epoch"]
         save_checkpoint(cfg, job, state, best=improved)
@@ -292,7 +296,7 @@ class EpochEnds:
         job.print(f"[trainbridge] epoch {row['epoch']} step {p.step}: train_loss {row['train_loss']:.4f} {scores}")
         return row
 
-    def finish(self, row: Dict[str, float]) -> Dict[str, float]:
+    def finish(self, row: Row) -> Row:
         cfg, job, p = self.cfg, self.job, self.state.progress
         final = {**row, "event": "final", "seconds": round(time.time() - self.started, 3)}
         self.metrics.write(final)

@@ -10,7 +10,7 @@ each other. Adadelta has no fused kernel and keeps torch's default.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 
@@ -18,7 +18,7 @@ FUSED_OPTIMIZERS = ("adam", "sgd")
 FUSED_DEVICES = ("cpu", "cuda")
 
 
-def fused_kernels(optimizer: str, device: torch.device) -> Dict[str, bool]:
+def fused_kernels(optimizer: str, device: torch.device) -> Dict[str, Any]:
     """Keyword arguments for torch's constructor of ``optimizer`` (a --optimizer name) on ``device``."""
     return {"fused": True} if optimizer in FUSED_OPTIMIZERS and device.type in FUSED_DEVICES else {}
 

@@ -16,7 +16,7 @@ class UserError(Exception):
         self.quiet = quiet
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
+def first_line(exc: BaseException | str, limit: int = 300) -> str:
     """The first line of an exception's message, or its type's name (collective errors can run to pages)."""
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:limit]

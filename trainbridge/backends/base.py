@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Iterator, List, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -122,12 +122,14 @@ class Backend(abc.ABC):
 
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             exchange: GradientExchange = GradientExchange()
+             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         """Average ``model``'s gradients over all ranks by the end of each backward pass, as ``exchange`` says.
 
         Every rank leaves with identical parameters and optimizer state. The
         returned model has the user's attributes, methods and state_dict keys.
+        ``optimizer`` is None where ``Job.prepare`` was given none, and comes back so.
         """
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:

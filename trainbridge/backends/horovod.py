@@ -144,8 +144,9 @@ class HorovodBackend(Backend):
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             exchange: GradientExchange = GradientExchange()
+             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
             raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "

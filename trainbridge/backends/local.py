@@ -1,7 +1,7 @@
 """One process, no collective library: the reference every distributed run must match."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -26,8 +26,9 @@ class LocalBackend(Backend):
     def shutdown(self, clean: bool = True) -> None:
         pass
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             exchange: GradientExchange = GradientExchange()
+             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         # One process: no gradients travel, so there is nothing to compress or defer.
         return model, optimizer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,8 +125,9 @@ class TorchBackend(Backend):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             exchange: GradientExchange = GradientExchange()) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             exchange: GradientExchange = GradientExchange()
+             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.

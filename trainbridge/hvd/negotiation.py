@@ -190,5 +190,5 @@ def disagreement(name: str, by_rank: Dict[int, Announcement], joined: Sequence[i
     if kind == "broadcast" and differs(lambda a: a.root):
         return problem("root rank", lambda a: a.root)
     if kind in PROCESS_SET_KINDS and differs(lambda a: a.ranks):
-        return problem("ranks", lambda a: list(a.ranks))
+        return problem("ranks", lambda a: list(a.ranks or ()))  # process-set announcements carry their ranks
     return None

@@ -36,7 +36,7 @@ class ProcessSet:
     """A set of ranks that run collectives together; pass it to ``hvd.init`` or ``hvd.add_process_set``."""
 
     process_set_id: Optional[int] = None
-    ranks: Optional[List[int]] = None
+    ranks: List[int]  # set by __init__ (an MPI communicator, which would leave it None, is refused)
     mpi_comm: Any = None
 
     def __init__(self, ranks_or_comm: Union[Sequence[int], Any]) -> None:
@@ -131,14 +131,15 @@ def set_ranks(process_set: Any, rank: int) -> Tuple[int, Tuple[int, ...]]:
     """(id, ranks) of a registered set that includes ``rank``; ValueError otherwise (before anything is sent)."""
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
-    ranks = runtime().engine.process_sets.get(process_set.process_set_id)
-    if ranks is None:
+    registered, set_id = runtime().engine.process_sets, process_set.process_set_id
+    if set_id is None or set_id not in registered:
         raise UnregisteredProcessSetError(f"{process_set} is not registered: pass it to "
                                           f"hvd.init(process_sets=[...]) or hvd.add_process_set() first "
                                           f"(or it was removed)")
+    ranks = registered[set_id]
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not a member of the provided process set {list(ranks)}")
-    return process_set.process_set_id, ranks
+    return set_id, ranks
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:

@@ -37,6 +37,7 @@ class SyncBatchNorm(_BatchNorm):
             return super().forward(input)
         factor = 0.0
         if self.training and self.track_running_stats:
+            assert self.num_batches_tracked is not None  # _BatchNorm registers it with track_running_stats
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
 
@@ -56,6 +57,8 @@ class SyncBatchNorm(_BatchNorm):
             output = output * self.weight.view(shape) + self.bias.view(shape)
 
         if self.training and self.track_running_stats:
+            # _BatchNorm registers the running statistics with track_running_stats
+            assert self.running_mean is not None and self.running_var is not None
             with torch.no_grad():
                 unbiased = var * total_count / (total_count - 1).clamp(min=1)
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)

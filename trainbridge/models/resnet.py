@@ -130,6 +130,6 @@ def freeze_backbone(model: nn.Module) -> nn.Module:
     """
     for name, parameter in model.named_parameters():
         parameter.requires_grad = name.startswith(HEAD_PREFIX)
-    model.backbone_frozen = True
+    model.backbone_frozen = True  # type: ignore[assignment]  # any value at run time; the stubs say Tensor or Module
     model.train(model.training)  # apply eval mode to the backbone now
     return model

@@ -43,7 +43,8 @@ class _WriteErrors:
     """
 
     def __init__(self, file) -> None:
-        self.file, self.error = file, None
+        self.file = file
+        self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
         try:
@@ -85,8 +86,10 @@ def save_atomically(obj: Any, path: str, keep_previous: Optional[str] = None) ->
         with open(tmp, "wb") as f:
             sink = _WriteErrors(f)
             # torch.load never checks the zip's CRC-32s, and computing them is a third of a save's CPU time.
-            with _serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(obj, sink)
+            # patch() is added at import by torch's install_config_module, which the stubs do not see;
+            # torch.save writes to any object with write() and flush(), the stubs say IO[bytes].
+            with _serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
+                torch.save(obj, sink)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         if keep_previous:

@@ -22,8 +22,9 @@ def _loadable_globals() -> set:
         allowed = set(_get_allowed_globals())
     except (ImportError, AttributeError):  # another torch: trust torch.save's own checks
         return set()
+    # Entries given as (function, name) pairs are left out.
     return allowed | {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
-                      if hasattr(g, "__qualname__")}
+                      if not isinstance(g, tuple) and hasattr(g, "__qualname__")}
 
 
 def unloadable_value(obj: Any, where: str = "") -> Optional[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ def precision_recall(matrix: torch.Tensor) -> Dict[str, List[Optional[float]]]:
     return {"precision": ratio(true_positive, predicted), "recall": ratio(true_positive, actual)}
 
 
-def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss_sum: float) -> Dict[str, object]:
+def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss_sum: float) -> Dict[str, Any]:
     """The report dict of a (global) confusion matrix."""
     total = int(matrix.sum())
     scores = precision_recall(matrix)
@@ -121,15 +121,17 @@ def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss
 
 @torch.no_grad()
 def classification_report(model: torch.nn.Module, task: Task, split: str, job: Job,
-                          batch_size: int) -> Dict[str, object]:
+                          batch_size: int) -> Dict[str, Any]:
     """Score ``split`` exactly across ranks; every rank returns the same report.
 
     ``model`` is the unwrapped module (``job.unwrap(model)``: DDP's buffer broadcast must not run on uneven shards) and
     must be identical on every rank, buffers included.
     """
+    class_names = task.class_names
+    assert class_names is not None  # report_model scores classifier tasks only (those with class names)
     was_training = model.training
     model.eval()
-    num_classes = len(task.class_names)
+    num_classes = len(class_names)
     local = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=job.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
     for images, labels in job.eval_loader(task.eval_dataset(split), batch_size, **task.loader_options(split)):
@@ -141,22 +143,22 @@ def classification_report(model: torch.nn.Module, task: Task, split: str, job: J
     # global matrix. One float64 collective carries counts (exact below 2**53) and loss.
     totals = job.allreduce(torch.cat([local.double().flatten(), loss_sum.reshape(1)]), "sum").cpu()
     matrix = totals[:-1].round().long().reshape(num_classes, num_classes)
-    return summarise(matrix, task.class_names, split, float(totals[-1]))
+    return summarise(matrix, class_names, split, float(totals[-1]))
 
 
-def format_report(report: Dict[str, object]) -> str:
+def format_report(report: Dict[str, Any]) -> str:
     """A plain-text table: per-class precision/recall/support, accuracy, and the confusion matrix."""
-    names: List[str] = report["classes"]  # type: ignore[assignment]
+    names: List[str] = report["classes"]
     width = max(8, *(len(n) for n in names))
     pct = lambda v: "    -" if v is None else f"{100 * v:5.1f}"  # noqa: E731
     lines = [f"{'class':<{width}}  precision  recall  support"]
     for name in names:
-        row = report["per_class"][name]  # type: ignore[index]
+        row = report["per_class"][name]
         lines.append(f"{name:<{width}}  {pct(row['precision'])}%    {pct(row['recall'])}%  {row['support']:7d}")
     lines.append(f"{'accuracy':<{width}}  {pct(report['accuracy'])}% of {report['samples']}")
     lines.append("confusion matrix (rows: true, columns: predicted)")
     lines.append(" " * width + "  " + " ".join(f"{n:>{width}}" for n in names))
-    for name, counts in zip(names, report["confusion_matrix"]):  # type: ignore[arg-type]
+    for name, counts in zip(names, report["confusion_matrix"]):
         lines.append(f"{name:<{width}}  " + " ".join(f"{c:>{width}d}" for c in counts))
     return "\n".join(lines)
 
@@ -167,12 +169,12 @@ def check_report_libraries(task: Task, quiet: bool = False) -> None:
         check_installed(["matplotlib", "PIL"], "the confusion-matrix picture written after training", quiet=quiet)
 
 
-def plot_confusion(report: Dict[str, object], path: str) -> None:
+def plot_confusion(report: Dict[str, Any], path: str) -> None:
     """Save the confusion matrix as a PNG (matplotlib's Agg canvas: no display, no pyplot state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names: List[str] = report["classes"]  # type: ignore[assignment]
+    names: List[str] = report["classes"]
     matrix = torch.tensor(report["confusion_matrix"])
     size = 2.0 + 0.6 * len(names)
     figure = Figure(figsize=(size, size))
@@ -194,7 +196,7 @@ def plot_confusion(report: Dict[str, object], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def save_report(report: Dict[str, object], output_dir: str) -> List[str]:
+def save_report(report: Dict[str, Any], output_dir: str) -> List[str]:
     """Write ``report_<split>.json`` and ``confusion_<split>.png``; returns both paths."""
     os.makedirs(output_dir, exist_ok=True)
     json_path = os.path.join(output_dir, f"report_{report['split']}.json")
@@ -206,7 +208,7 @@ def save_report(report: Dict[str, object], output_dir: str) -> List[str]:
 
 
 def report_model(model: torch.nn.Module, task: Task, job: Job, batch_size: int, output_dir: str,
-                 epoch: Optional[int]) -> Dict[str, Dict[str, object]]:
+                 epoch: Optional[int]) -> Dict[str, Dict[str, Any]]:
     """Score every evaluation split a classifier task has; the main rank prints and saves each report.
 
     Collective: every rank must call it. Tasks without class names get no report.

@@ -32,7 +32,10 @@ class Progress:
         tasks without an accuracy, such as regression)."""
         if accuracy is None:
             return self.best_loss is None or loss < self.best_loss
-        return self.best_accuracy is None or (accuracy, -loss) > (self.best_accuracy, -self.best_loss)
+        if self.best_accuracy is None:
+            return True
+        assert self.best_loss is not None  # recorded together with best_accuracy
+        return (accuracy, -loss) > (self.best_accuracy, -self.best_loss)
 
 
 class TrainState:

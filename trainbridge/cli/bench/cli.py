@@ -14,7 +14,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sized, cast
 
 from ...errors import UserError
 from ...launch.environment import available_cores
@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for summary in summaries.values():
                 summary["scaling_efficiency"] = scaling_efficiency(summary, unit)
             result["workloads"][name] = {"description": workload.description, "batch_size": workload.batch_size,
-                                         "val_set_size": len(workload.eval_dataset()),
+                                         "val_set_size": len(cast(Sized, workload.eval_dataset())),  # map-style
                                          "steps": steps, "warmup_steps": warmup, "configs": summaries,
                                          "targets": evaluate_all(summaries)}
     except UserError as exc:

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import psutil
 
@@ -262,7 +262,7 @@ def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path,
             for key in keys if key in COMPARED}
 
 
-def median_or_none(values: List[Optional[float]]) -> Optional[float]:
+def median_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
@@ -270,7 +270,7 @@ def median_or_none(values: List[Optional[float]]) -> Optional[float]:
 def aggregate(config: BenchConfig, runs: List[RunResult], skipped: Optional[str] = None) -> Dict[str, Any]:
     """Medians over the successful runs of one configuration; failed if any run failed; ``skipped``: not run, why."""
     ok = [r for r in runs if r.status == "ok"]
-    rates = [r.samples_per_second for r in ok]
+    rates = [r.samples_per_second for r in ok if r.samples_per_second is not None]  # set on every ok run
     rss = [r.peak_rss_mb_per_rank for r in ok if r.peak_rss_mb_per_rank]
     return {
         "label": config.label, "kind": config.kind, "group": config.group, "nproc": config.nproc,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Sized, Tuple, cast
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -59,7 +59,8 @@ def in_memory(dataset: Dataset) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inputs and labels as two tensors, for loops that gather batches by index."""
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[0], dataset.tensors[1]
-    inputs, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    size = len(cast(Sized, dataset))  # map-style, as every workload's datasets are
+    inputs, labels = zip(*(dataset[i] for i in range(size)))
     return torch.stack(inputs), torch.as_tensor(labels)
 
 
@@ -131,7 +132,7 @@ def resnet34_three_classes() -> torch.nn.Module:
     return build_classifier("resnet34", 3, None)  # random initialisation, as --no-pretrained
 
 
-def adam(params: Iterable[torch.nn.Parameter], **kernels: bool) -> torch.optim.Optimizer:
+def adam(params: Iterable[torch.nn.Parameter], **kernels: Any) -> torch.optim.Optimizer:  # bools (fused, foreach)
     return torch.optim.Adam(params, lr=1e-4, **kernels)
 
 

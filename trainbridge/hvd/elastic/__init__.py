@@ -32,23 +32,24 @@ def run(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         path = commit_file.commit_path()
-        owner = path is not None and rank() == 0  # rank 0 writes and reads the commit file
+        # rank 0 writes and reads the commit file: its path there, None on the other ranks
+        own_path = path if path is not None and rank() == 0 else None
         if commit_file.is_restart():
-            snapshot = commit_file.load(path, commit_file.job_identity()) if owner else None
+            snapshot = commit_file.load(own_path, commit_file.job_identity()) if own_path is not None else None
             if snapshot is not None:
                 state.load_snapshot(snapshot)
                 print(f"hvd.elastic: rank 0 resumed from the last commit in {path}", flush=True)
             state.on_reset()
-        elif owner:
+        elif own_path is not None:
             # A first attempt never resumes: a file here was left by an earlier job.
-            commit_file.remove(path, "left by an earlier job (a first attempt starts from the initial state)")
+            commit_file.remove(own_path, "left by an earlier job (a first attempt starts from the initial state)")
         state.sync()
         result = func(state, *args, **kwargs)
         if path is not None:
             # Horovod: every rank finished; only then is the last commit of no more use to a restart.
             barrier()
-            if owner and commit_file.is_default_location():
-                commit_file.remove(path)
+            if own_path is not None and commit_file.is_default_location():
+                commit_file.remove(own_path)
         return result
 
     return wrapper

@@ -24,7 +24,7 @@ import collections
 import enum
 import importlib
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Type
 
 import torch
 
@@ -55,7 +55,7 @@ def _resolve(name: str) -> Any:
     return owner
 
 
-def _numpy_generic() -> Optional[type]:
+def _numpy_generic() -> Optional[Type[Any]]:
     numpy = sys.modules.get("numpy")  # never imported here: a numpy value means numpy is loaded
     return None if numpy is None else numpy.generic
 

@@ -8,7 +8,7 @@ commit file (:mod:`.commit_file`) so that a restarted job resumes from it.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ class State:
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank) -> None:
         self._bcast_object = bcast_object
         self._rank = get_rank
-        self._reset_callbacks = []
+        self._reset_callbacks: List[Callable[[], None]] = []
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Functions run after the job resumes (e.g. rescale the learning rate by the new hvd.size())."""

@@ -17,6 +17,7 @@ run:
 # Every test but the whole product runs of minutes (marker e2e), which `make test-e2e` runs; CI
 # (.ci/run) runs both, then `make test-torch-versions`.
 test: setup
+	$(MAKE) lint
 	$(VENV)/bin/python -m pytest -v --durations=25 -m "not e2e" tests
 
 test-e2e: setup
@@ -38,10 +39,11 @@ TORCH_VERSIONS ?= 2.11.0 2.14.1
 test-torch-versions:
 	REMOVE_VENVS=1 bash scripts/test_torch_versions.sh $(TORCH_VERSIONS)
 
-# The linter and the type checker over the package: ruff (settings in ruff.toml), then mypy
-# (setup.cfg's [mypy]). Both come with the test extra, which `make setup` installs.
+# The linter, the formatter's check and the type checker over the package: ruff (settings in
+# ruff.toml), then mypy (setup.cfg's [mypy]). Both come with the test extra; `make test` runs it first.
 lint:
 	$(VENV)/bin/python -m ruff check trainbridge
+	$(VENV)/bin/python -m ruff format --check trainbridge
 	$(VENV)/bin/python -m mypy trainbridge
 
 clean:

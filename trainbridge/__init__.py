@@ -8,10 +8,10 @@
 
 See :mod:`trainbridge.api.job` for the whole API on one page.
 """
+
 from .api import EvalLoader, Job, TrainLoader, exit_process, init, report_failure, spawn
 from .errors import UserError
 from .tasks.base import Task
 from .version import __version__ as __version__  # trainbridge.__version__
 
-__all__ = ["EvalLoader", "Job", "Task", "TrainLoader", "UserError", "exit_process", "init", "report_failure",
-           "spawn"]
+__all__ = ["EvalLoader", "Job", "Task", "TrainLoader", "UserError", "exit_process", "init", "report_failure", "spawn"]

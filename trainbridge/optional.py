@@ -7,6 +7,7 @@ of setup.cfg, listed here once. Where one is missing, :func:`require` and
 :func:`check_installed` raise a :class:`~trainbridge.errors.UserError` naming the
 package, what needs it and the ``pip install`` that adds it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,8 +31,11 @@ OPTIONAL: Dict[str, Tuple[str, str]] = {
 def missing_error(module: str, purpose: str, instead: str = "", quiet: bool = False) -> UserError:
     """The one line for the optional ``module`` (a key of :data:`OPTIONAL`) that ``purpose`` needs."""
     package, extra = OPTIONAL[module]
-    return UserError(f"{package} is not installed, and {purpose} needs it; "
-                     f"pip install \"trainbridge[{extra}]\" adds it{f', {instead}' if instead else ''}", quiet=quiet)
+    return UserError(
+        f"{package} is not installed, and {purpose} needs it; "
+        f'pip install "trainbridge[{extra}]" adds it{f", {instead}" if instead else ""}',
+        quiet=quiet,
+    )
 
 
 def require(module: str, purpose: str, instead: str = "", quiet: bool = False) -> ModuleType:

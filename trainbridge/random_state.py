@@ -4,6 +4,7 @@ Dropout masks, noise and augmentation done in the main process draw from torch's
 generators (CPU and CUDA), Python's ``random`` and numpy's global generator. A run
 resumes bitwise only if all of them continue where they stopped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,12 @@ def rng_state() -> Dict[str, Any]:
     state["python"] = random.getstate()
     if numpy is not None:
         _, key, pos, has_gauss, gauss = cast(Tuple[str, Any, int, int, float], numpy.random.get_state(legacy=True))
-        state["numpy"] = {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        state["numpy"] = {
+            "key": torch.from_numpy(key.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     return state
 
 
@@ -67,13 +72,20 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     """Put back what :func:`rng_state` returned (older checkpoints hold only ``torch``)."""
     cpu = torch.get_rng_state()
     saved = state["torch"]
-    torch.set_rng_state(saved[:len(cpu)].cpu())
+    torch.set_rng_state(saved[: len(cpu)].cpu())
     if torch.cuda.is_available() and len(saved) > len(cpu):
-        torch.cuda.set_rng_state(saved[len(cpu):].cpu())
+        torch.cuda.set_rng_state(saved[len(cpu) :].cpu())
     if state.get("python") is not None:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
     if numpy is not None and state.get("numpy") is not None:
         saved_np = state["numpy"]
-        numpy.random.set_state(("MT19937", saved_np["key"].cpu().numpy().astype("uint32"), saved_np["pos"],
-                                saved_np["has_gauss"], saved_np["gauss"]))
+        numpy.random.set_state(
+            (
+                "MT19937",
+                saved_np["key"].cpu().numpy().astype("uint32"),
+                saved_np["pos"],
+                saved_np["has_gauss"],
+                saved_np["gauss"],
+            )
+        )

@@ -1,4 +1,5 @@
 """The public API (``import trainbridge as tb``): :func:`init` returns a :class:`Job`."""
+
 from .files import read_file
 from .job import Job, init
 from .loaders import EvalLoader, TrainLoader

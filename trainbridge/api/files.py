@@ -13,6 +13,7 @@ the copy of the state to host memory stays on the training path. The writes them
 are :mod:`trainbridge.runtime.atomic_files`' (``hvd.elastic``'s commit file uses them too);
 this module words their errors for the user and reads the files back.
 """
+
 from __future__ import annotations
 
 import errno
@@ -42,17 +43,21 @@ def state_mismatch(model: torch.nn.Module, state: Dict[str, Any]) -> Optional[st
 
     def short(keys):
         return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "") if keys else "none"
-    return (f"missing keys: {short(missing)}; unexpected keys: {short(unexpected)}; "
-            f"shape mismatches: {short(mismatched)}")
+
+    return (
+        f"missing keys: {short(missing)}; unexpected keys: {short(unexpected)}; shape mismatches: {short(mismatched)}"
+    )
 
 
 def check_targets(paths: Sequence[str], keep_previous: Optional[str] = None) -> None:
     """UserError, before anything is written, when a path to write (or rotate to) is an existing directory."""
     for target in (*paths, keep_previous):
         if target and os.path.isdir(target):
-            raise UserError(f"cannot write the checkpoint {paths[0]}: {target} is an existing directory, not a file; "
-                            f"nothing was written and the directory is left as it is; give a file path "
-                            f"(e.g. {os.path.join(target, 'last.pt')}) or move the directory away")
+            raise UserError(
+                f"cannot write the checkpoint {paths[0]}: {target} is an existing directory, not a file; "
+                f"nothing was written and the directory is left as it is; give a file path "
+                f"(e.g. {os.path.join(target, 'last.pt')}) or move the directory away"
+            )
 
 
 def atomic_save(obj: Dict[str, Any], path: str, keep_previous: Optional[str] = None) -> None:
@@ -92,15 +97,22 @@ def _raise_why_not_written(path: str, exc: BaseException) -> None:
         else:
             fix = f"check {directory} or pass another --output-dir"
         raise UserError(f"cannot write the checkpoint {path}: {exc.strerror or exc}; {unchanged}; {fix}") from exc
-    if isinstance(exc, pickle.PicklingError) or (isinstance(exc, (AttributeError, TypeError))
-                                                 and "pickle" in str(exc).lower()):
-        raise UserError(f"cannot write the checkpoint {path}: a value in it cannot be pickled "
-                        f"({first_line(exc, 120)}); {unchanged}; save plain values (tensors, numbers, strings, "
-                        f"lists, dicts), not lambdas, local functions, locks or open files") from exc
+    if isinstance(exc, pickle.PicklingError) or (
+        isinstance(exc, (AttributeError, TypeError)) and "pickle" in str(exc).lower()
+    ):
+        raise UserError(
+            f"cannot write the checkpoint {path}: a value in it cannot be pickled "
+            f"({first_line(exc, 120)}); {unchanged}; save plain values (tensors, numbers, strings, "
+            f"lists, dicts), not lambdas, local functions, locks or open files"
+        ) from exc
 
 
-def read_file(path: str, map_location: Any = "cpu", missing: str = "check the path",
-              corrupt: str = "delete it or load another file") -> Any:
+def read_file(
+    path: str,
+    map_location: Any = "cpu",
+    missing: str = "check the path",
+    corrupt: str = "delete it or load another file",
+) -> Any:
     """``torch.load(path, weights_only=True)``; a missing or unreadable file is one UserError line
     ending in ``missing`` or ``corrupt`` (what to do about it)."""
     if not os.path.isfile(path):
@@ -109,13 +121,18 @@ def read_file(path: str, map_location: Any = "cpu", missing: str = "check the pa
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
         if "Weights only load failed" in str(exc):  # readable, but holds a type outside the allow-list
-            refused = next((line.strip() for line in str(exc).splitlines()
-                            if "GLOBAL" in line or "Unsupported" in line), first_line(exc))
-            raise UserError(f"checkpoint {path} is intact but holds a value torch.load(weights_only=True) refuses "
-                            f"({refused[:200]}); load it with torch.serialization.add_safe_globals([...]) for that "
-                            f"type, or, if you trust the file, torch.load(weights_only=False)") from None
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
-                                f"{first_line(exc)}); {corrupt}") from None
+            refused = next(
+                (line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                first_line(exc),
+            )
+            raise UserError(
+                f"checkpoint {path} is intact but holds a value torch.load(weights_only=True) refuses "
+                f"({refused[:200]}); load it with torch.serialization.add_safe_globals([...]) for that "
+                f"type, or, if you trust the file, torch.load(weights_only=False)"
+            ) from None
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: {first_line(exc)}); {corrupt}"
+        ) from None
 
 
 def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:

@@ -21,6 +21,7 @@ Every difference between DDP and Horovod lives in the backend
 (:mod:`trainbridge.backends`); this module only adds what a loop needs on top:
 loaders, checkpoints, the stop agreement and one-line errors.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,15 @@ T = TypeVar("T")
 RNG_KEY = "rng"  # every rank's RNG state, in rank order, in each file job.save writes
 
 
-def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "auto", threads: int = 0,
-         malloc_tuning: str = "auto", deterministic: bool = False) -> "Job":
+def init(
+    backend: str = "auto",
+    *,
+    timeout: float = 300.0,
+    dist_backend: str = "auto",
+    threads: int = 0,
+    malloc_tuning: str = "auto",
+    deterministic: bool = False,
+) -> "Job":
     """Join the job this process was launched into and return its :class:`Job`.
 
     ``backend``: auto (by launcher), torch, horovod or local. ``timeout``: seconds a
@@ -62,8 +70,10 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     """
     sys.excepthook = excepthook  # from here on, bad input is one line
     if current.job is not None:
-        raise UserError("tb.init() was already called in this process; use the job it returned "
-                        "(or call job.shutdown() before joining again)")
+        raise UserError(
+            "tb.init() was already called in this process; use the job it returned "
+            "(or call job.shutdown() before joining again)"
+        )
     env = detect_launch()
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
@@ -75,8 +85,11 @@ def init(backend: str = "auto", *, timeout: float = 300.0, dist_backend: str = "
     chosen = create_backend(backend, env, dist_backend=dist_backend, timeout=timeout)
     # Joining waits on other processes and on the network: bounded like every other wait.
     watchdog = Watchdog(timeout, env.rank)
-    watchdog.expect(f"start of the job under {env.launcher} (world size {env.world_size}; check that every rank "
-                    f"was started and that MASTER_PORT is not held by another program)", timeout + 5.0)
+    watchdog.expect(
+        f"start of the job under {env.launcher} (world size {env.world_size}; check that every rank "
+        f"was started and that MASTER_PORT is not held by another program)",
+        timeout + 5.0,
+    )
     chosen.init()
     watchdog.disarm()  # joined; from here on the job's calls arm it, each for its own wait
     # Again: torch's init_process_group wraps the hook with one that captures stderr.
@@ -148,9 +161,16 @@ class Job:
         self.backend.print(*args, **kwargs)
 
     # ----- model and optimizer --------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                amp: str = "off", compression: str = "none", shm_allreduce: str = "auto",
-                find_unused_parameters: bool = False):
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        amp: str = "off",
+        compression: str = "none",
+        shm_allreduce: str = "auto",
+        find_unused_parameters: bool = False,
+    ):
         """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks.
 
         Every rank leaves with rank 0's weights. After each backward pass that
@@ -169,36 +189,48 @@ class Job:
         allow backward passes that reach only some of the model's parameters (a
         branch some ranks take); those no rank used keep their gradient.
         """
-        exchange = GradientExchange(compression=compression, shm_allreduce=shm_allreduce,
-                                    find_unused_parameters=find_unused_parameters)
+        exchange = GradientExchange(
+            compression=compression, shm_allreduce=shm_allreduce, find_unused_parameters=find_unused_parameters
+        )
         if any(model is prepared or self.unwrap(prepared) is model for prepared, _ in self._prepared):
-            raise UserError("job.prepare: this model was already prepared; prepare each model once and keep using "
-                            "the model it returned", quiet=not self.is_main)
+            raise UserError(
+                "job.prepare: this model was already prepared; prepare each model once and keep using "
+                "the model it returned",
+                quiet=not self.is_main,
+            )
         check_freezing_spelled_right(model)
         with self._waiting("job.prepare"):
             model, optimizer = self._prepare(model, optimizer, amp, exchange)
         self._prepared.append((model, optimizer))
         return model, optimizer
 
-    def _prepare(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], amp: str,
-                 exchange: GradientExchange):
+    def _prepare(
+        self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], amp: str, exchange: GradientExchange
+    ):
         self.backend.check_same_on_every_rank(
-            "the model's parameters", {n: tuple(p.shape) for n, p in model.named_parameters()},
-            "build the same model on every rank")
+            "the model's parameters",
+            {n: tuple(p.shape) for n, p in model.named_parameters()},
+            "build the same model on every rank",
+        )
         if optimizer is not None:
             self.backend.check_same_on_every_rank(
                 "the optimizer",
-                {"type": type(optimizer).__name__, "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                                    for g in optimizer.param_groups]},
+                {
+                    "type": type(optimizer).__name__,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+                },
                 "give every rank the same optimizer and learning rate (scale it by the world size on every rank, "
-                "not by the rank)")
+                "not by the rank)",
+            )
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
         if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UserError("amp bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 here")
         if self._prepared and amp != self.amp:
-            raise UserError(f"job.prepare: amp {amp!r} differs from the {self.amp!r} of the model prepared before; "
-                            f"one job trains in one precision, so pass amp={self.amp!r} to every prepare")
+            raise UserError(
+                f"job.prepare: amp {amp!r} differs from the {self.amp!r} of the model prepared before; "
+                f"one job trains in one precision, so pass amp={self.amp!r} to every prepare"
+            )
         self.amp = amp
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         if amp == "fp16" and self.scaler is None:
@@ -238,8 +270,11 @@ class Job:
         loss scale taken out first (``GradScaler.unscale_`` of the optimizers
         that hold these parameters).
         """
-        params = list(model_or_parameters.parameters() if isinstance(model_or_parameters, torch.nn.Module)
-                      else model_or_parameters)
+        params = list(
+            model_or_parameters.parameters()
+            if isinstance(model_or_parameters, torch.nn.Module)
+            else model_or_parameters
+        )
         if self.scaler is not None:
             ids = {id(p) for p in params}
             for _, optimizer in self._prepared:
@@ -276,23 +311,41 @@ class Job:
         # Before the loader checks its other arguments: a rank whose own check failed would leave the others waiting.
         with self._waiting("job.train_loader"):
             self.backend.check_same_on_every_rank(
-                "train_loader", {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed,
-                                 "batch_size": batch_size},
+                "train_loader",
+                {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed, "batch_size": batch_size},
                 "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
-                "manual_seed(...)) and pass the same seed and batch_size")
-        return TrainLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                           seed=seed, before_fork=self._before_fork, worker_wait=self._waiting_for_workers,
-                           **dataloader_options)
+                "manual_seed(...)) and pass the same seed and batch_size",
+            )
+        return TrainLoader(
+            dataset,
+            batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            seed=seed,
+            before_fork=self._before_fork,
+            worker_wait=self._waiting_for_workers,
+            **dataloader_options,
+        )
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""
         with self._waiting("job.eval_loader"):
             self.backend.check_same_on_every_rank(
-                "eval_loader", {"dataset size": dataset_size(dataset, "eval_loader")},
-                "every rank must hold the same evaluation set (seed a random_split with generator=...)")
-        return EvalLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size, device=self.device,
-                          before_fork=self._before_fork, worker_wait=self._waiting_for_workers,
-                          **dataloader_options)
+                "eval_loader",
+                {"dataset size": dataset_size(dataset, "eval_loader")},
+                "every rank must hold the same evaluation set (seed a random_split with generator=...)",
+            )
+        return EvalLoader(
+            dataset,
+            batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            before_fork=self._before_fork,
+            worker_wait=self._waiting_for_workers,
+            **dataloader_options,
+        )
 
     def _waiting_for_workers(self, what: str):
         # A worker stuck in a read, or in a lock it inherited at fork, would hold this rank for ever.
@@ -311,9 +364,11 @@ class Job:
             raise UserError(f"allreduce op {op!r} is not supported; use sum, mean or max")
         with self._waiting("job.allreduce"):
             # A dtype or shape that differs between ranks gives garbage or aborts inside gloo: say so first.
-            self.backend.check_same_on_every_rank("job.allreduce's tensor",
-                                                  {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
-                                                  "reduce a tensor of the same dtype and shape on every rank")
+            self.backend.check_same_on_every_rank(
+                "job.allreduce's tensor",
+                {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
+                "reduce a tensor of the same dtype and shape on every rank",
+            )
             return self.backend.allreduce(tensor, op)
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
@@ -379,9 +434,11 @@ class Job:
         ``state`` has ``snapshot()`` and ``restore(snapshot)``; ``train_fn`` must
         continue from ``state`` and read rank and world size afresh on every call.
         """
+
         def attempt() -> T:
             self._stop.pending = None  # an agreement started in a world that has since changed
             return train_fn()
+
         return self.backend.run_resilient(attempt, state)
 
     def commit(self, state: Any) -> None:
@@ -395,8 +452,14 @@ class Job:
             return self.backend.decide_on_main(decide)
 
     # ----- checkpoints ----------------------------------------------------------
-    def save(self, obj: Mapping[str, Any], path: str, keep_previous: Optional[str] = None,
-             background: bool = False, copies: Sequence[str] = ()) -> None:
+    def save(
+        self,
+        obj: Mapping[str, Any],
+        path: str,
+        keep_previous: Optional[str] = None,
+        background: bool = False,
+        copies: Sequence[str] = (),
+    ) -> None:
         """Write ``obj`` to ``path``: every rank calls it, the main rank writes atomically.
 
         Values with a ``state_dict()`` (models, wrapped or not, optimizers,
@@ -411,18 +474,26 @@ class Job:
         background write raises there, as one line.
         """
         if not isinstance(obj, Mapping):
-            raise UserError(f"job.save takes a dict of what to save, got a {type(obj).__name__}; "
-                            f"write job.save({{'model': model, ...}}, path)", quiet=not self.is_main)
+            raise UserError(
+                f"job.save takes a dict of what to save, got a {type(obj).__name__}; "
+                f"write job.save({{'model': model, ...}}, path)",
+                quiet=not self.is_main,
+            )
         if RNG_KEY in obj:
-            raise UserError(f"job.save: the key {RNG_KEY!r} is where every rank's random streams are saved; "
-                            f"store yours under another name", quiet=not self.is_main)
+            raise UserError(
+                f"job.save: the key {RNG_KEY!r} is where every rank's random streams are saved; "
+                f"store yours under another name",
+                quiet=not self.is_main,
+            )
         state = {key: self._state_of(value) for key, value in obj.items()}
         problem = unloadable_value(state)
         if problem is not None:
-            raise UserError(f"job.save: {problem}, which torch.load(weights_only=True) cannot read back, so {path} "
-                            f"could never be loaded; save a plain value instead (float(x), str(path), vars(args), "
-                            f"tuple(named_tuple), a dict) or allow the type with torch.serialization.add_safe_globals",
-                            quiet=not self.is_main)
+            raise UserError(
+                f"job.save: {problem}, which torch.load(weights_only=True) cannot read back, so {path} "
+                f"could never be loaded; save a plain value instead (float(x), str(path), vars(args), "
+                f"tuple(named_tuple), a dict) or allow the type with torch.serialization.add_safe_globals",
+                quiet=not self.is_main,
+            )
         if self.scaler is not None and "scaler" not in state:
             state["scaler"] = self.scaler.state_dict()
         with self._waiting(f"job.save({path!r})"):
@@ -469,13 +540,18 @@ class Job:
         """
         for key, value in into.items():
             if key not in saved:
-                raise UserError(f"{source} has no {key!r}; it holds {', '.join(k for k in saved if k != RNG_KEY)}; "
-                                f"load it into the same keys it was saved with")
+                raise UserError(
+                    f"{source} has no {key!r}; it holds {', '.join(k for k in saved if k != RNG_KEY)}; "
+                    f"load it into the same keys it was saved with"
+                )
             if isinstance(value, torch.nn.Module):
                 mismatch = state_mismatch(self.unwrap(value), saved[key])
                 if mismatch:
-                    raise UserError(f"{source}'s {key!r} is for another model: {mismatch}; load it into the model "
-                                    f"it was saved from", quiet=not self.is_main)
+                    raise UserError(
+                        f"{source}'s {key!r} is for another model: {mismatch}; load it into the model "
+                        f"it was saved from",
+                        quiet=not self.is_main,
+                    )
                 self.unwrap(value).load_state_dict(saved[key])
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(saved[key])
@@ -487,8 +563,10 @@ class Job:
         if rng and len(rng["torch"]) == self.world_size:
             set_rng_state({kind: rng[kind][self.rank] for kind in rng if kind != "world_size"})
         elif rng:
-            self.print(f"[trainbridge] {source} was written by {len(rng['torch'])} ranks, this job has "
-                       f"{self.world_size}: the random streams start afresh (seeded per rank)")
+            self.print(
+                f"[trainbridge] {source} was written by {len(rng['torch'])} ranks, this job has "
+                f"{self.world_size}: the random streams start afresh (seeded per rank)"
+            )
             seed_everything(torch.initial_seed() + self.rank)
         return into
 
@@ -517,5 +595,7 @@ class Job:
         exit_process(code)
 
     def __repr__(self) -> str:
-        return (f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
-                f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})")
+        return (
+            f"Job(backend={self.backend.name}, rank={self.rank}, world_size={self.world_size}, "
+            f"local_rank={self.local_rank}, device={self.device}, launcher={self.launcher})"
+        )

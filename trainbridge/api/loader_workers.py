@@ -14,6 +14,7 @@ forking thread, so not for loaders iterated on other threads), and a rank that
 ends itself abnormally (the watchdog, a failure) kills its workers first
 (:func:`kill_workers`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -89,14 +90,16 @@ def describe_workers() -> str:
     for pid in _live_workers():
         if py_spy is not None:
             try:
-                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
-                                      text=True, timeout=20)
+                dump = subprocess.run(
+                    [py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+                )
                 parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
                 continue
             except (OSError, subprocess.SubprocessError):
                 pass
-        parts.append(f"DataLoader worker {pid}: " + ", ".join(_thread_waits(pid))
-                     + " (pip install py-spy for its stacks)")
+        parts.append(
+            f"DataLoader worker {pid}: " + ", ".join(_thread_waits(pid)) + " (pip install py-spy for its stacks)"
+        )
     return "\n".join(parts)
 
 

@@ -13,6 +13,7 @@ with repeats, which counts some samples twice; here shards differ in length by
 at most one and each sample is scored on exactly one rank, so allreduced sums
 are exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,11 +63,11 @@ def _loader_options(dataset: Dataset, device: torch.device, options: Dict[str, A
 TRAIN_REFUSALS = {
     "shuffle": "the train loader shuffles itself, every pass from seed + epoch; pass seed= to change the order",
     "sampler": "the train loader picks this rank's samples itself (the same steps on every world size); "
-               "give it the dataset (a Subset for part of it)",
+    "give it the dataset (a Subset for part of it)",
     "batch_sampler": "the train loader forms the batches itself; pass batch_size=",
     "generator": "the train loader owns its random streams; pass seed=",
     "drop_last=False": "the train loader trains whole global batches only, so that every world size trains the "
-                       "same samples per step; leave drop_last out",
+    "same samples per step; leave drop_last out",
 }
 EVAL_REFUSALS = {
     "sampler": "the eval loader shards the dataset itself (each sample on one rank); give it the dataset",
@@ -94,8 +95,10 @@ def dataset_size(dataset: Any, what: str) -> int:
     try:
         return len(dataset)
     except TypeError:
-        raise UserError(f"{what} needs a map-style dataset (with __len__ and __getitem__), got "
-                        f"{type(dataset).__name__}; wrap an iterable in a list or a torch Dataset") from None
+        raise UserError(
+            f"{what} needs a map-style dataset (with __len__ and __getitem__), got "
+            f"{type(dataset).__name__}; wrap an iterable in a list or a torch Dataset"
+        ) from None
 
 
 class TrainLoader:
@@ -114,9 +117,19 @@ class TrainLoader:
     world size, so every world size trains the same samples per step.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 seed: int = 0, before_fork: Callable[[], None] = lambda: None,
-                 worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND, **dataloader_options: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        seed: int = 0,
+        before_fork: Callable[[], None] = lambda: None,
+        worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND,
+        **dataloader_options: Any,
+    ) -> None:
         self.before_fork = before_fork
         self.worker_wait = worker_wait  # bounds each wait for the DataLoader workers (the job's watchdog)
         size = dataset_size(dataset, "train_loader")
@@ -126,9 +139,11 @@ class TrainLoader:
         if size == 0:
             raise UserError("train_loader: the dataset is empty; check where it reads its files from")
         if size < batch_size * world_size:
-            raise UserError(f"train_loader: the dataset has {size} samples, fewer than one global batch of "
-                            f"{batch_size * world_size} ({batch_size} per rank x {world_size} ranks), so no step "
-                            f"would train; lower batch_size to at most {size // world_size}")
+            raise UserError(
+                f"train_loader: the dataset has {size} samples, fewer than one global batch of "
+                f"{batch_size * world_size} ({batch_size} per rank x {world_size} ranks), so no step "
+                f"would train; lower batch_size to at most {size // world_size}"
+            )
         self.dataset, self.size, self.batch_size, self.device, self.seed = dataset, size, batch_size, device, seed
         self.world_size, self.rank = world_size, rank
         self.batches = TrainBatches(size, batch_size, rank, world_size, seed)
@@ -179,11 +194,13 @@ class TrainLoader:
         self._steps = len(self.batches)
         self._generator.manual_seed(mix_seed(self.seed, self._epoch, self.rank))
         if self._loader is None:  # built once: persistent workers survive across epochs
-            self._loader = DataLoader(SeededDataset(self.dataset), batch_sampler=self.batches,
-                                      generator=self._generator, **self.options)
+            self._loader = DataLoader(
+                SeededDataset(self.dataset), batch_sampler=self.batches, generator=self._generator, **self.options
+            )
         loader = self._loader
-        if self._worker_setup is not None and (not loader.persistent_workers
-                                               or getattr(loader, "_iterator", None) is None):
+        if self._worker_setup is not None and (
+            not loader.persistent_workers or getattr(loader, "_iterator", None) is None
+        ):
             self.before_fork()  # the workers are forked now
             self._worker_setup.before_fork()
         with self._waiting("train_loader's start of its DataLoader workers"):
@@ -215,8 +232,13 @@ class TrainLoader:
     def state_dict(self) -> Dict[str, int]:
         """The loader's position: epoch, samples of it already handed out, seed, dataset size, global batch."""
         epoch, position = self._next_pass()
-        return {"epoch": epoch, "position": position, "seed": self.seed,
-                "dataset_size": self.size, "global_batch_size": self.global_batch_size}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "dataset_size": self.size,
+            "global_batch_size": self.global_batch_size,
+        }
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Continue from a :meth:`state_dict`: the next pass starts there. Dataset size and seed must match.
@@ -225,20 +247,33 @@ class TrainLoader:
         follow, dealt among the new ranks.
         """
         if state["dataset_size"] != self.size:
-            raise UserError(f"the checkpoint's train loader had {state['dataset_size']} samples, this one has "
-                            f"{self.size}; resume with the same dataset or start a fresh run")
+            raise UserError(
+                f"the checkpoint's train loader had {state['dataset_size']} samples, this one has "
+                f"{self.size}; resume with the same dataset or start a fresh run"
+            )
         if state["seed"] != self.seed:
-            raise UserError(f"the checkpoint's train loader was seeded with {state['seed']}, this one with "
-                            f"{self.seed}; pass seed={state['seed']} to resume the same order")
+            raise UserError(
+                f"the checkpoint's train loader was seeded with {state['seed']}, this one with "
+                f"{self.seed}; pass seed={state['seed']} to resume the same order"
+            )
         self._epoch, self._position, self._open = state["epoch"], state["position"], None
 
 
 class EvalLoader:
     """Batches of this rank's unpadded evaluation shard (indices rank, rank + world_size, ...), on ``device``."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, device: torch.device,
-                 before_fork: Callable[[], None] = lambda: None,
-                 worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND, **dataloader_options: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        before_fork: Callable[[], None] = lambda: None,
+        worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND,
+        **dataloader_options: Any,
+    ) -> None:
         self.before_fork = before_fork
         self.worker_wait = worker_wait
         size = dataset_size(dataset, "eval_loader")

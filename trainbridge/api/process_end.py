@@ -1,6 +1,7 @@
 """How a rank's process ends: one line instead of a traceback for bad input and for a
 peer's failure (``sys.excepthook`` from ``tb.init`` on), and an exit that skips the
 interpreter's C++ teardown."""
+
 from __future__ import annotations
 
 import gc

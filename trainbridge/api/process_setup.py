@@ -1,5 +1,6 @@
 """What ``tb.init`` sets for the whole process before the job starts: intra-op threads and
 deterministic GPU kernels (the heap settings are :mod:`trainbridge.launch.malloc_tuning`'s)."""
+
 from __future__ import annotations
 
 import os

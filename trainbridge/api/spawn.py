@@ -1,4 +1,5 @@
 """``tb.spawn``: a user's script as N local workers, for plain ``python script.py --nproc N``."""
+
 from __future__ import annotations
 
 import functools

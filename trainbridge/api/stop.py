@@ -9,6 +9,7 @@ each step. The allreduce is asynchronous and its result is read one step later:
 no host sync, no extra Horovod cycle, and the run stops at most one step after
 the signal.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,14 @@ from ..runtime.watchdog import WatchdogThread
 from .loader_workers import describe_workers, kill_workers
 
 WATCHDOG_EXIT_CODE = 124
-FOR_PEERS = ("the other ranks", "a rank died or stalled, or the ranks called different operations; "
-                                "compare with the other ranks' lines")
-FOR_WORKERS = ("this rank's DataLoader workers", "a worker is stuck (a read that never returns, or a lock held "
-                                                 "when it was forked); their stacks follow")
+FOR_PEERS = (
+    "the other ranks",
+    "a rank died or stalled, or the ranks called different operations; compare with the other ranks' lines",
+)
+FOR_WORKERS = (
+    "this rank's DataLoader workers",
+    "a worker is stuck (a read that never returns, or a lock held when it was forked); their stacks follow",
+)
 
 
 class StopSignal:
@@ -116,8 +121,12 @@ class Watchdog:
     def _check(self) -> None:
         what, (whom, causes), waited = self.what, self.waited_for, time.monotonic() - self.since
         if what is not None and waited > self.limit:
-            print(f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
-                  f"(timeout {self.timeout:g}s): {causes}", file=sys.stderr, flush=True)
+            print(
+                f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
+                f"(timeout {self.timeout:g}s): {causes}",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.waited_for is FOR_WORKERS:
                 print(describe_workers(), file=sys.stderr, flush=True)
             kill_workers()  # a stuck DataLoader worker would keep the launcher's output open

@@ -16,6 +16,7 @@ srun               torch
 plain python       local
 =================  =====================================================
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional
@@ -33,8 +34,14 @@ BACKENDS: Dict[str, str] = {
     "local": "trainbridge.backends.local:LocalBackend",
 }
 
-AUTO_BY_LAUNCHER = {"torchrun": "torch", "spawn": "torch", "env": "torch", "horovodrun": "horovod", "srun": "torch",
-                    "python": "local"}
+AUTO_BY_LAUNCHER = {
+    "torchrun": "torch",
+    "spawn": "torch",
+    "env": "torch",
+    "horovodrun": "horovod",
+    "srun": "torch",
+    "python": "local",
+}
 
 
 def horovod_usable() -> bool:

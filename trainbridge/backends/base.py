@@ -7,6 +7,7 @@ calls only these methods and never asks which backend it has.
 Subclasses implement the abstract collectives; the sharding and I/O helpers are
 written once here on top of them.
 """
+
 from __future__ import annotations
 
 import abc
@@ -116,15 +117,19 @@ class Backend(abc.ABC):
             torch.cuda.set_device(self.local_rank)
             return torch.device("cuda", self.local_rank)
         if self.dist_backend == "nccl":
-            raise UserError('nccl was requested but CUDA is not available; use dist_backend="gloo" '
-                            '(or dist_backend="auto") on CPUs')
+            raise UserError(
+                'nccl was requested but CUDA is not available; use dist_backend="gloo" (or dist_backend="auto") on CPUs'
+            )
         return torch.device("cpu")
 
     # ----- gradient allreduce -----------------------------------------------
     @abc.abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             exchange: GradientExchange = GradientExchange()
-             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    def wrap(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        exchange: GradientExchange = GradientExchange(),
+    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         """Average ``model``'s gradients over all ranks by the end of each backward pass, as ``exchange`` says.
 
         Every rank leaves with identical parameters and optimizer state. The
@@ -242,7 +247,7 @@ class Backend(abc.ABC):
             self.barrier()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
-                f"local_rank={self.local_rank}, device={self.device}, launcher={self.env.launcher})")
-
-
+        return (
+            f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+            f"local_rank={self.local_rank}, device={self.device}, launcher={self.env.launcher})"
+        )

@@ -17,6 +17,7 @@ fake images) tripped its ``backward_passes_per_step`` count. Here, as in DDP:
   parameters any of them used; those get the average (zeros from the ranks that
   did not use them) and the rest keep their gradient untouched (None stays None).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,17 +37,24 @@ AgreeUsed = Callable[[torch.Tensor], torch.Tensor]  # elementwise max over ranks
 class HookedAverage:
     """Average ``model``'s gradients over the ranks at the end of every backward pass that reaches it."""
 
-    def __init__(self, model: torch.nn.Module, prefix: str, start_average: StartAverage, agree_used: AgreeUsed,
-                 find_unused_parameters: bool = False) -> None:
-        self.params: List[Tuple[str, torch.nn.Parameter]] = [(n, p) for n, p in model.named_parameters()
-                                                              if p.requires_grad]
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prefix: str,
+        start_average: StartAverage,
+        agree_used: AgreeUsed,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        self.params: List[Tuple[str, torch.nn.Parameter]] = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad
+        ]
         self.names = {p: f"{prefix}.{n}" for n, p in self.params}
         self.start_average, self.agree_used = start_average, agree_used
         self.find_unused = find_unused_parameters
         self.pending: Dict[torch.nn.Parameter, Callable[[], torch.Tensor]] = {}
-        self.sync = True          # the no_sync state the last forward pass ran in
-        self.in_no_sync = False   # inside no_sync() now
-        self.finishing = False    # an end-of-backward callback is queued
+        self.sync = True  # the no_sync state the last forward pass ran in
+        self.in_no_sync = False  # inside no_sync() now
+        self.finishing = False  # an end-of-backward callback is queued
         model.register_forward_pre_hook(self._forward_starts)
         for _, p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -82,10 +90,12 @@ class HookedAverage:
         missing = [(n, p) for n, p in self.params if p not in pending]
         if missing and not self.find_unused:
             names = ", ".join(n for n, _ in missing[:3]) + (" ..." if len(missing) > 3 else "")
-            raise UserError(f"{len(missing)} parameter(s) of the prepared model got no gradient in this backward "
-                            f"pass ({names}), so the ranks cannot average them; pass find_unused_parameters=True to "
-                            f"job.prepare for a model that uses only some of its parameters, or freeze them "
-                            f"(requires_grad_(False))")
+            raise UserError(
+                f"{len(missing)} parameter(s) of the prepared model got no gradient in this backward "
+                f"pass ({names}), so the ranks cannot average them; pass find_unused_parameters=True to "
+                f"job.prepare for a model that uses only some of its parameters, or freeze them "
+                f"(requires_grad_(False))"
+            )
         if self.find_unused:
             used = torch.tensor([float(p in pending) for _, p in self.params])
             anywhere = self.agree_used(used)

@@ -5,6 +5,7 @@ during backward and finished by the end of the backward pass (DDP's contract,
 :mod:`trainbridge.backends.grad_hooks`), so clipping between ``backward`` and
 ``step`` sees averaged gradients.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,9 +73,11 @@ def refuse_horovod_under(env: LaunchEnv, chosen_by: str, otherwise: str) -> None
     ``TRAINBRIDGE_HVD_BACKEND=horovod`` (:mod:`trainbridge.hvd.delegation`).
     """
     if env.launcher in LAUNCHERS_HOROVOD_CANNOT_JOIN:
-        raise UserError(f"{chosen_by} cannot run under {env.launcher}: Horovod would see size 1 in each of the "
-                        f"{env.world_size} processes; launch with horovodrun -np {env.world_size} (or mpirun), "
-                        f"or {otherwise}")
+        raise UserError(
+            f"{chosen_by} cannot run under {env.launcher}: Horovod would see size 1 in each of the "
+            f"{env.world_size} processes; launch with horovodrun -np {env.world_size} (or mpirun), "
+            f"or {otherwise}"
+        )
 
 
 def horovod_defaults(device_type: str, timeout: float, elastic: bool = False) -> Dict[str, str]:
@@ -136,22 +139,29 @@ class HorovodBackend(Backend):
         from horovod.common.exceptions import HorovodInternalError
 
         if isinstance(exc, HorovodInternalError) or "Horovod has been shut down" in str(exc):
-            return (f"rank {self.rank}: Horovod failed ({first_line(exc)}); another rank died, stalled or called "
-                    f"a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines")
+            return (
+                f"rank {self.rank}: Horovod failed ({first_line(exc)}); another rank died, stalled or called "
+                f"a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines"
+            )
         return None
 
     def shutdown(self, clean: bool = True) -> None:
         if getattr(self, "hvd", None) is not None and self.hvd.is_initialized():
             self.hvd.shutdown()
 
-    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             exchange: GradientExchange = GradientExchange()
-             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    def wrap(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        exchange: GradientExchange = GradientExchange(),
+    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
-            raise UserError("--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
-                            "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
-                            quiet=not self.is_main)
+            raise UserError(
+                "--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
+                "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
+                quiet=not self.is_main,
+            )
         compression = self._compression(exchange.compression)
         if self.world_size > 1 or self.elastic:
             # Horovod: average each gradient as soon as backward produces it (fused with the
@@ -163,9 +173,13 @@ class HorovodBackend(Backend):
                 return lambda: compression.decompress(hvd.synchronize(handle), ctx)
 
             prefix = f"trainbridge.grad{len(self._averages)}"
-            average = HookedAverage(model, prefix, start_average,
-                                    lambda used: hvd.allreduce(used, op=hvd.Max, name=f"{prefix}.used"),
-                                    exchange.find_unused_parameters)
+            average = HookedAverage(
+                model,
+                prefix,
+                start_average,
+                lambda used: hvd.allreduce(used, op=hvd.Max, name=f"{prefix}.used"),
+                exchange.find_unused_parameters,
+            )
             self._averages[model] = average
         if self.elastic:
             # No collectives outside hvd.elastic.run: a worker that joins later would
@@ -185,9 +199,12 @@ class HorovodBackend(Backend):
 
     def _compression(self, name: str):
         if name == "bf16":
-            raise UserError("--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
-                            "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
-                            "--backend torch for bf16", quiet=not self.is_main)
+            raise UserError(
+                "--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
+                "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
+                "--backend torch for bf16",
+                quiet=not self.is_main,
+            )
         return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -226,11 +243,14 @@ class HorovodBackend(Backend):
         deadline = time.monotonic() + self.timeout
         while self.hvd.size() < self.full_size:
             if time.monotonic() > deadline:
-                raise UserError(f"Horovod elastic: only {self.hvd.size()} of {self.full_size} workers after "
-                                f"{self.timeout:.0f}s; no replacement came (check --host-discovery-script and "
-                                f"--blacklist-cooldown-range)")
-            self.print(f"[trainbridge] elastic: {self.hvd.size()} of {self.full_size} workers; "
-                       f"waiting for a replacement")
+                raise UserError(
+                    f"Horovod elastic: only {self.hvd.size()} of {self.full_size} workers after "
+                    f"{self.timeout:.0f}s; no replacement came (check --host-discovery-script and "
+                    f"--blacklist-cooldown-range)"
+                )
+            self.print(
+                f"[trainbridge] elastic: {self.hvd.size()} of {self.full_size} workers; waiting for a replacement"
+            )
             self.elastic_state.check_host_updates()  # raises HostsUpdatedInterrupt when one joins
             time.sleep(1.0)
         return train_fn()

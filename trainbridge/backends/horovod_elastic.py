@@ -4,6 +4,7 @@ Horovod calls ``save`` on every ``commit()``, ``restore`` after a worker failed
 (undoing the steps since the last commit), and ``sync`` after the ring re-formed
 (rank 0's state to every worker, including newly started ones).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,6 +25,7 @@ class ElasticTrainState(State):
         self.train_state.restore(self.saved)
 
     def sync(self) -> None:
-        self.saved = self.hvd.broadcast_object(self.train_state.snapshot(), root_rank=0,
-                                               name="trainbridge.elastic_sync")
+        self.saved = self.hvd.broadcast_object(
+            self.train_state.snapshot(), root_rank=0, name="trainbridge.elastic_sync"
+        )
         self.train_state.restore(self.saved)

@@ -1,4 +1,5 @@
 """One process, no collective library: the reference every distributed run must match."""
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
@@ -17,7 +18,7 @@ class LocalBackend(Backend):
             raise UserError(
                 f'backend="local" runs one process, but {self.env.launcher} started {self.env.world_size}: '
                 f'each would train its own model; use backend="auto" (or backend="torch" or backend="horovod") '
-                f'under a launcher'
+                f"under a launcher"
             )
 
     def init(self) -> None:
@@ -26,9 +27,12 @@ class LocalBackend(Backend):
     def shutdown(self, clean: bool = True) -> None:
         pass
 
-    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             exchange: GradientExchange = GradientExchange()
-             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    def wrap(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        exchange: GradientExchange = GradientExchange(),
+    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         # One process: no gradients travel, so there is nothing to compress or defer.
         return model, optimizer
 

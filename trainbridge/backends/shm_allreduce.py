@@ -42,6 +42,7 @@ naming the missing ranks when one of them exits (its pid is gone) or when
 in program order, so a published counter implies the slot data before it is
 visible; other CPUs keep gloo.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -86,15 +87,15 @@ class ShmAllreduce:
 
     def __init__(self, region: torch.Tensor, rank: int, world_size: int, chunk: int, timeout: float) -> None:
         self.rank, self.world_size, self.chunk, self.timeout = rank, world_size, chunk, timeout
-        header = region[:HEADER_BYTES_PER_RANK * world_size].view(torch.int64).view(world_size, 3)
+        header = region[: HEADER_BYTES_PER_RANK * world_size].view(torch.int64).view(world_size, 3)
         self.tokens, self.pids, self.progress = header[:, 0], header[:, 1], header[:, 2]
         start = self.header_bytes(world_size)
         shape = (2, world_size, 1 + MAILBOX_VALUES)  # per set and rank: sequence number, then the values
-        mail = region[start:start + 8 * shape[0] * shape[1] * shape[2]]
+        mail = region[start : start + 8 * shape[0] * shape[1] * shape[2]]
         self.mail_seq = mail.view(torch.int64).view(shape)[:, :, 0]
         self.mail_values = mail.view(torch.float64).view(shape)[:, :, 1:]
         start += self.mailbox_bytes(world_size)
-        self.slots = region[start:start + 2 * world_size * chunk].view(2, world_size, chunk)
+        self.slots = region[start : start + 2 * world_size * chunk].view(2, world_size, chunk)
         self.seq = 0
         self.small_seq = 0
         self.small_pending: Optional[Callable[[], torch.Tensor]] = None
@@ -113,9 +114,15 @@ class ShmAllreduce:
         return cls.header_bytes(world_size) + cls.mailbox_bytes(world_size) + 2 * world_size * chunk
 
     @classmethod
-    def open(cls, rank: int, world_size: int, chunk: int, timeout: float,
-             broadcast_object: Callable[[object], object], allgather_object: Callable[[object], List[object]]
-             ) -> "tuple[Optional[ShmAllreduce], Optional[str]]":
+    def open(
+        cls,
+        rank: int,
+        world_size: int,
+        chunk: int,
+        timeout: float,
+        broadcast_object: Callable[[object], object],
+        allgather_object: Callable[[object], List[object]],
+    ) -> "tuple[Optional[ShmAllreduce], Optional[str]]":
         """Collective: every rank calls it. Returns (exchange, None) when every rank mapped the
         same file, else (None, why not) on every rank, so that all ranks pick the same path."""
         size = cls.region_bytes(world_size, chunk)
@@ -135,8 +142,10 @@ class ShmAllreduce:
                     exchange.tokens[0] = token  # before the broadcast, so that every reader sees it
                 except OSError as exc:
                     why = f"cannot reserve {size >> 20} MiB in /dev/shm ({exc.strerror})"
-            path, token, why = cast(Tuple[Optional[str], int, Optional[str]],
-                                    broadcast_object((created if why is None else None, token, why)))
+            path, token, why = cast(
+                Tuple[Optional[str], int, Optional[str]],
+                broadcast_object((created if why is None else None, token, why)),
+            )
             mine = why
             if rank != 0 and why is None and path is not None:  # rank 0 created it (path is None only with a why)
                 try:
@@ -167,7 +176,7 @@ class ShmAllreduce:
         flat = tensor.view(-1)
         per_chunk = self.chunk // flat.element_size()
         for start in range(0, flat.numel(), per_chunk):
-            self._average_chunk(flat[start:start + per_chunk])
+            self._average_chunk(flat[start : start + per_chunk])
         return tensor
 
     def _average_chunk(self, part: torch.Tensor) -> None:
@@ -202,6 +211,7 @@ class ShmAllreduce:
                 result.append((total / self.world_size if op == "mean" else total).to(tensor.dtype).view_as(tensor))
                 self.small_pending = None
             return result[0]
+
         self.small_pending = wait
         return wait
 
@@ -226,11 +236,14 @@ class ShmAllreduce:
         missing = [r for r in range(self.world_size) if int(counters[r]) < seq]
         gone = [r for r in missing if not _alive(int(self.pids[r]))]
         if gone:
-            raise PeerGone(f"rank {self.rank}: rank(s) {_names(gone)} exited during {what} "
-                           f"(connection closed by peer); see their log")
+            raise PeerGone(
+                f"rank {self.rank}: rank(s) {_names(gone)} exited during {what} "
+                f"(connection closed by peer); see their log"
+            )
         if waited > self.timeout:
-            raise PeerGone(f"rank {self.rank}: rank(s) {_names(missing)} did not reach {what}: "
-                           f"timed out after {self.timeout:.0f}s")
+            raise PeerGone(
+                f"rank {self.rank}: rank(s) {_names(missing)} did not reach {what}: timed out after {self.timeout:.0f}s"
+            )
 
 
 def _whole_pages(nbytes: int) -> int:

@@ -6,6 +6,7 @@ one (:func:`trainbridge.launch.rendezvous_address`). Before the process group
 starts, every rank publishes the world size it was told, so that ranks that
 disagree fail with both numbers instead of waiting forever.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,6 +33,7 @@ def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP check
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value()[0])  # back into the fp32 bucket, in place
         return buffer
+
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
@@ -45,13 +47,17 @@ def shm_average_hook(shm: ShmAllreduce, bucket):
 # --compression: DDP comm hooks, by (compression, process group backend).
 # DDP's switch for the per-forward broadcast of rank 0's buffers (see wrap): torch 2.13
 # renamed broadcast_buffers to forward_sync_buffers.
-NO_FORWARD_BUFFER_SYNC: Dict[str, Any] = ({"forward_sync_buffers": False}
-                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-                          else {"broadcast_buffers": False})
-_COMPRESS_HOOKS = {("fp16", "nccl"): default_hooks.fp16_compress_hook,
-                   ("fp16", "gloo"): default_hooks.fp16_compress_hook,
-                   ("bf16", "nccl"): default_hooks.bf16_compress_hook,
-                   ("bf16", "gloo"): bf16_compress_hook_gloo}
+NO_FORWARD_BUFFER_SYNC: Dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+_COMPRESS_HOOKS = {
+    ("fp16", "nccl"): default_hooks.fp16_compress_hook,
+    ("fp16", "gloo"): default_hooks.fp16_compress_hook,
+    ("bf16", "nccl"): default_hooks.bf16_compress_hook,
+    ("bf16", "gloo"): bf16_compress_hook_gloo,
+}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}
 
 
@@ -87,7 +93,8 @@ class PreparedDDP(DistributedDataParallel):
                 f"rank {dist.get_rank()}: the prepared model's previous forward pass never finished a backward pass: "
                 f"either it ran on some ranks only or was not trained (a preview, a metric; run those under "
                 f"torch.no_grad() or on job.unwrap(model)), or some parameters took no part in the loss (pass "
-                f"find_unused_parameters=True to job.prepare)") from None
+                f"find_unused_parameters=True to job.prepare)"
+            ) from None
 
 
 class TorchBackend(Backend):
@@ -106,12 +113,23 @@ class TorchBackend(Backend):
         text = str(exc)
         # gloo words a lost or silent peer in several ways ("Connection closed by
         # peer", "Timed out waiting ...", "Application timeout caused pair closure").
-        peer_markers = ("connection closed by peer", "connection reset", "timed out", "timeout", "broken pipe",
-                        "nccl", "gloo", "pair closure")
-        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
-                                               and any(m in text.lower() for m in peer_markers)):
-            return (f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died, stalled or "
-                    f"called a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines")
+        peer_markers = (
+            "connection closed by peer",
+            "connection reset",
+            "timed out",
+            "timeout",
+            "broken pipe",
+            "nccl",
+            "gloo",
+            "pair closure",
+        )
+        if isinstance(exc, dist.DistError) or (
+            isinstance(exc, RuntimeError) and any(m in text.lower() for m in peer_markers)
+        ):
+            return (
+                f"rank {self.rank}: a collective failed ({first_line(exc)}); another rank died, stalled or "
+                f"called a different operation (timeout {self.timeout:g}s): compare with the other ranks' lines"
+            )
         return None
 
     def shutdown(self, clean: bool = True) -> None:
@@ -125,9 +143,12 @@ class TorchBackend(Backend):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def wrap(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             exchange: GradientExchange = GradientExchange()
-             ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    def wrap(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        exchange: GradientExchange = GradientExchange(),
+    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
@@ -139,8 +160,13 @@ class TorchBackend(Backend):
         # 0's buffers, the only ones saved, are the same either way. Every rank gets
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = PreparedDDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC,
-                          find_unused_parameters=exchange.find_unused_parameters)
+        ddp = PreparedDDP(
+            model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            **NO_FORWARD_BUFFER_SYNC,
+            find_unused_parameters=exchange.find_unused_parameters,
+        )
         shm = self.shm_exchange = self._shared_memory_exchange(model, exchange)
         if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
@@ -171,11 +197,19 @@ class TorchBackend(Backend):
         shm = None
         if why is None:
             grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            shm, why = ShmAllreduce.open(self.rank, self.world_size, chunk_bytes(self.world_size, grad_bytes),
-                                         self.timeout, self.broadcast_object, self.allgather_object)
+            shm, why = ShmAllreduce.open(
+                self.rank,
+                self.world_size,
+                chunk_bytes(self.world_size, grad_bytes),
+                self.timeout,
+                self.broadcast_object,
+                self.allgather_object,
+            )
         if why is not None and mode == "on":
-            raise UserError(f'shm_allreduce="on" is not possible: {why}; use shm_allreduce="auto" or '
-                            f'shm_allreduce="off"', quiet=not self.is_main)
+            raise UserError(
+                f'shm_allreduce="on" is not possible: {why}; use shm_allreduce="auto" or shm_allreduce="off"',
+                quiet=not self.is_main,
+            )
         if why is not None and self.pg_backend == "gloo":
             self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")
         return shm
@@ -205,6 +239,7 @@ class TorchBackend(Backend):
         def wait() -> torch.Tensor:
             work.wait()
             return out / self.world_size if op == "mean" else out
+
         return wait
 
     def allgather_object(self, obj: Any) -> List[Any]:

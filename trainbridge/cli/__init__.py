@@ -1,4 +1,5 @@
 """The ``trainbridge`` console script: ``train``, ``doctor``, ``data``, ``bench`` and ``build-horovod``."""
+
 from __future__ import annotations
 
 import sys
@@ -30,21 +31,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "train":
         from ..api import exit_process
         from .train import main as train_main
+
         exit_process(train_main(rest))
     if command == "doctor":
         from .doctor import main as doctor_main
+
         return doctor_main(rest)
     if command == "data":
         from .data import main as data_main
+
         return data_main(rest)
     if command == "bench":
         from .bench.cli import main as bench_main
+
         return bench_main(rest)
     if command == "build-horovod":
         from .build_horovod import main as build_horovod_main
+
         return build_horovod_main(rest)
-    print(f"trainbridge: error: unknown command {command!r}; use train, doctor, data, bench or build-horovod",
-          file=sys.stderr)
+    print(
+        f"trainbridge: error: unknown command {command!r}; use train, doctor, data, bench or build-horovod",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -10,6 +10,7 @@ to 17, builds a wheel with the PyTorch extension, the Gloo controller and, where
 it as ``trainbridge doctor`` does. The wheel is cached per Python and torch
 version, so a second environment with the same pair installs in seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ def problem_in_a_fresh_interpreter() -> Optional[str]:
 def build_wheel(version: str, wheel_dir: Path, jobs: int) -> None:
     with tempfile.TemporaryDirectory(prefix="horovod-build-") as build:
         print(f"[build-horovod] downloading the horovod=={version} sdist", flush=True)
-        run(pip("download", "-q", "--no-deps", "--no-binary", ":all:", f"horovod=={version}", "-d", build),
-            f"pip download horovod=={version}")
+        run(
+            pip("download", "-q", "--no-deps", "--no-binary", ":all:", f"horovod=={version}", "-d", build),
+            f"pip download horovod=={version}",
+        )
         with tarfile.open(next(Path(build).glob("horovod-*.tar.gz"))) as sdist:
             try:
                 sdist.extractall(build, filter="data")
@@ -64,28 +67,46 @@ def build_wheel(version: str, wheel_dir: Path, jobs: int) -> None:
             path = source / name
             text = path.read_text()
             if "set(CMAKE_CXX_STANDARD 14)" not in text and "set(CMAKE_CXX_STANDARD 17)" not in text:
-                raise UserError(f"build-horovod: {name} of horovod {version} sets no C++ standard this command "
-                                f"knows; build that version by hand")
+                raise UserError(
+                    f"build-horovod: {name} of horovod {version} sets no C++ standard this command "
+                    f"knows; build that version by hand"
+                )
             path.write_text(text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"))
         mpi = shutil.which("mpicc") is not None
-        env = {**os.environ, "HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITHOUT_TENSORFLOW": "1",
-               "HOROVOD_WITHOUT_MXNET": "1", "HOROVOD_WITH_GLOO": "1",
-               ("HOROVOD_WITH_MPI" if mpi else "HOROVOD_WITHOUT_MPI"): "1",
-               # Horovod's bundled gloo declares a CMake minimum that CMake 4 refuses.
-               "CMAKE_POLICY_VERSION_MINIMUM": "3.5", "MAKEFLAGS": f"-j{jobs}",
-               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-        print(f"[build-horovod] building against torch {torch.__version__} with Gloo"
-              f"{' and MPI' if mpi else ' (no mpicc found: without MPI)'}; a few minutes", flush=True)
+        env = {
+            **os.environ,
+            "HOROVOD_WITH_PYTORCH": "1",
+            "HOROVOD_WITHOUT_TENSORFLOW": "1",
+            "HOROVOD_WITHOUT_MXNET": "1",
+            "HOROVOD_WITH_GLOO": "1",
+            ("HOROVOD_WITH_MPI" if mpi else "HOROVOD_WITHOUT_MPI"): "1",
+            # Horovod's bundled gloo declares a CMake minimum that CMake 4 refuses.
+            "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
+            "MAKEFLAGS": f"-j{jobs}",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        }
+        print(
+            f"[build-horovod] building against torch {torch.__version__} with Gloo"
+            f"{' and MPI' if mpi else ' (no mpicc found: without MPI)'}; a few minutes",
+            flush=True,
+        )
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        run(pip("wheel", "-q", "--no-build-isolation", "--no-deps", ".", "-w", str(wheel_dir)), "building Horovod",
-            cwd=str(source), env=env)
+        run(
+            pip("wheel", "-q", "--no-build-isolation", "--no-deps", ".", "-w", str(wheel_dir)),
+            "building Horovod",
+            cwd=str(source),
+            env=env,
+        )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="trainbridge build-horovod", description=__doc__.splitlines()[0])
     p.add_argument("--version", default=DEFAULT_VERSION, help=f"Horovod release (default {DEFAULT_VERSION})")
-    p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "trainbridge"),
-                   help="where built wheels are kept (default ~/.cache/trainbridge)")
+    p.add_argument(
+        "--cache",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "trainbridge"),
+        help="where built wheels are kept (default ~/.cache/trainbridge)",
+    )
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (default: cores)")
     p.add_argument("--force", action="store_true", help="build and install even if this Horovod already works")
     args = p.parse_args(argv)
@@ -110,8 +131,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         problem = problem_in_a_fresh_interpreter()
         if problem is not None:
             raise UserError(f"build-horovod: the installed Horovod still cannot run: {problem}")
-        print(f"[build-horovod] Horovod {args.version} runs PyTorch jobs here (trainbridge doctor shows its "
-              f"controllers)")
+        print(
+            f"[build-horovod] Horovod {args.version} runs PyTorch jobs here (trainbridge doctor shows its controllers)"
+        )
         return 0
     except UserError as exc:
         print(f"trainbridge: error: {exc}", file=sys.stderr)

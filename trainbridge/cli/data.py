@@ -1,4 +1,5 @@
 """``trainbridge data make-sample designsafe --out DIR [--seed N]``: write a sample data set."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         require("PIL", "trainbridge data make-sample")
         make_sample(args.out, seed=args.seed)
     except OSError as exc:  # a parent that is a file, no permission, a full disk
-        print(f"trainbridge: error: cannot write the sample to {args.out}: {exc.strerror or exc}; "
-              f"choose a writable folder for --out", file=sys.stderr)
+        print(
+            f"trainbridge: error: cannot write the sample to {args.out}: {exc.strerror or exc}; "
+            f"choose a writable folder for --out",
+            file=sys.stderr,
+        )
         return 2
     except UserError as exc:  # the library names the folder; here it is the --out given
         message = str(exc)
@@ -32,7 +36,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"trainbridge: error: {message}", file=sys.stderr)
         return 2
     counts = ", ".join(f"{n} {split}" for split, n in IMAGES_PER_CLASS.items())
-    print(f"wrote a SYNTHETIC DesignSafe-style sample to {args.out}: classes {', '.join(CLASSES)}, "
-          f"per class {counts} images")
+    print(
+        f"wrote a SYNTHETIC DesignSafe-style sample to {args.out}: classes {', '.join(CLASSES)}, "
+        f"per class {counts} images"
+    )
     return 0
-

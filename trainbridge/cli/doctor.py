@@ -5,6 +5,7 @@ also checks a job across those hosts before it starts (:mod:`trainbridge.launch.
 printing one line per problem with its fix, and exits 1 when it found any. The
 interface names of the other hosts are read over ssh (as horovodrun would reach them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,19 +45,36 @@ def horovod_build() -> List[Tuple[str, str]]:
     yes = {True: "yes", False: "no"}
     return [
         ("horovod frameworks", "PyTorch"),  # importing horovod.torch proves the PyTorch extension
-        ("horovod controllers", ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()))
-                                          if ok) or "none"),
-        ("horovod tensor ops", ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()),
-                                                           ("NCCL", hvd.nccl_built()), ("DDL", hvd.ddl_built()),
-                                                           ("CCL", hvd.ccl_built())) if ok) or "none"),
+        (
+            "horovod controllers",
+            ", ".join(n for n, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built())) if ok) or "none",
+        ),
+        (
+            "horovod tensor ops",
+            ", ".join(
+                n
+                for n, ok in (
+                    ("MPI", hvd.mpi_built()),
+                    ("Gloo", hvd.gloo_built()),
+                    ("NCCL", hvd.nccl_built()),
+                    ("DDL", hvd.ddl_built()),
+                    ("CCL", hvd.ccl_built()),
+                )
+                if ok
+            )
+            or "none",
+        ),
         ("horovod CUDA", yes[bool(hvd.cuda_built())]),
     ]
 
 
 def missing_optional() -> str:
     """The optional packages (:mod:`trainbridge.optional`) not installed here, each with the extra that adds it."""
-    missing = [f"{package} (pip install \"trainbridge[{extra}]\")" for module, (package, extra) in OPTIONAL.items()
-               if importlib.util.find_spec(module) is None]
+    missing = [
+        f'{package} (pip install "trainbridge[{extra}]")'
+        for module, (package, extra) in OPTIONAL.items()
+        if importlib.util.find_spec(module) is None
+    ]
     return "missing: " + ", ".join(missing) if missing else "all installed"
 
 
@@ -65,6 +83,7 @@ def report() -> List[Tuple[str, str]]:
     env = detect_launch()
     try:
         import torchvision  # noqa: F401
+
         tv = version("torchvision")
     except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
         tv = f"{version('torchvision')} (import fails: {exc})"
@@ -74,8 +93,11 @@ def report() -> List[Tuple[str, str]]:
         ("torchvision", tv),
         ("horovod", version("horovod")),
         ("mpi4py", version("mpi4py")),
-        ("CUDA available", yes[torch.cuda.is_available()]
-         + (f" ({torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else "")),
+        (
+            "CUDA available",
+            yes[torch.cuda.is_available()]
+            + (f" ({torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else ""),
+        ),
         ("NCCL (torch)", yes[dist.is_nccl_available()]),
         ("Gloo (torch)", yes[dist.is_gloo_available()]),
         ("MPI (torch)", yes[dist.is_mpi_available()]),
@@ -85,8 +107,12 @@ def report() -> List[Tuple[str, str]]:
     ]
     rows += horovod_build()
     rows.append(("optional packages", missing_optional()))
-    rows.append(("launcher", f"{env.launcher} (rank {env.rank} of {env.world_size}, "
-                             f"local rank {env.local_rank} of {env.local_size})"))
+    rows.append(
+        (
+            "launcher",
+            f"{env.launcher} (rank {env.rank} of {env.world_size}, local rank {env.local_rank} of {env.local_size})",
+        )
+    )
     return rows
 
 
@@ -95,8 +121,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--hosts", help="comma-separated host names of a job across hosts: check them before it starts")
     p.add_argument("--rdzv-endpoint", help="torchrun's c10d --rdzv-endpoint HOST:PORT to check")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="default: $MASTER_ADDR")
-    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT") or 0) or None,
-                   help="default: $MASTER_PORT")
+    p.add_argument(
+        "--master-port", type=int, default=int(os.environ.get("MASTER_PORT") or 0) or None, help="default: $MASTER_PORT"
+    )
     p.add_argument("--ssh-port", type=int, default=None, help="for reading the other hosts' interfaces")
     p.add_argument("--route-to", metavar="ADDR", help=argparse.SUPPRESS)  # used over ssh: the interface towards ADDR
     return p.parse_args(list(argv))
@@ -116,8 +143,21 @@ def remote_interface(host: str, ssh_port: Optional[int]) -> Tuple[Optional[str],
     me = source_address_towards(host)
     if me is None:
         return None, f"no route to {host}"
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *(["-p", str(ssh_port)] if ssh_port else []),
-           host, sys.executable, "-m", "trainbridge", "doctor", "--route-to", me]
+    cmd = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ConnectTimeout=5",
+        *(["-p", str(ssh_port)] if ssh_port else []),
+        host,
+        sys.executable,
+        "-m",
+        "trainbridge",
+        "doctor",
+        "--route-to",
+        me,
+    ]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -4,6 +4,7 @@ Library errors name the arguments of ``tb.init`` and ``job.prepare`` as a script
 (``dist_backend="gloo"``); ``trainbridge train`` takes the same settings as flags
 (``--dist-backend gloo``), so its errors name the flags instead.
 """
+
 from __future__ import annotations
 
 import dataclasses

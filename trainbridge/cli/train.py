@@ -10,6 +10,7 @@ Examples::
 
 Bad input ends with one line ``trainbridge: error: ...`` on stderr and exit status 2.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,14 @@ def run_worker(cfg: TrainConfig) -> int:
     job, finished = None, False
     try:
         cfg.validate()
-        job = init(cfg.backend, timeout=cfg.timeout, dist_backend=cfg.dist_backend, threads=cfg.threads,
-                   malloc_tuning=cfg.malloc_tuning, deterministic=cfg.deterministic)
+        job = init(
+            cfg.backend,
+            timeout=cfg.timeout,
+            dist_backend=cfg.dist_backend,
+            threads=cfg.threads,
+            malloc_tuning=cfg.malloc_tuning,
+            deterministic=cfg.deterministic,
+        )
         claim_output_dir(cfg.output_dir, job)  # one job per --output-dir, before anything there is read or moved
         train(cfg, job)
         finished = True
@@ -60,8 +67,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if cfg.nproc > 1:
         if detect_launch().launcher != "python":
-            report_error("--nproc is for plain python; under a launcher set the process count there "
-                         "(torchrun --nproc-per-node, horovodrun -np, mpirun -np)")
+            report_error(
+                "--nproc is for plain python; under a launcher set the process count there "
+                "(torchrun --nproc-per-node, horovodrun -np, mpirun -np)"
+            )
             return 2
         return spawn_workers(cfg.nproc, functools.partial(run_worker, cfg))
     return run_worker(cfg)

@@ -14,6 +14,7 @@ classes differ by structure and clutter, which survives AutoAugment's colour
 and geometry changes; a ResNet learns them in a few epochs at 64 px.
 The folder's README.md says SYNTHETIC, and training on it says so in the log.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,8 +91,11 @@ def draw_house(rng: np.random.Generator, damage: int) -> "PIL.Image.Image":
         for _ in range(int(rng.integers(2, 4))):
             x = int(rng.integers(left + 2, right - 8))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 3, wall_top - 3))
-            draw.rectangle([x, y, x + int(rng.integers(8, 14)), y + int(rng.integers(5, 9))], outline=(0, 0, 0),
-                           fill=(int(rng.integers(0, 60)), int(rng.integers(80, 160)), int(rng.integers(200, 256))))
+            draw.rectangle(
+                [x, y, x + int(rng.integers(8, 14)), y + int(rng.integers(5, 9))],
+                outline=(0, 0, 0),
+                fill=(int(rng.integers(0, 60)), int(rng.integers(80, 160)), int(rng.integers(200, 256))),
+            )
         for _ in range(int(rng.integers(1, 3))):
             x = int(rng.integers(left + 2, right - 4))
             y = int(rng.integers(roof_top + (wall_top - roof_top) // 2, wall_top - 2))
@@ -102,15 +106,24 @@ def draw_house(rng: np.random.Generator, damage: int) -> "PIL.Image.Image":
         for _ in range(int(rng.integers(3, 6))):
             x = int(rng.integers(left, right - 6))
             y = int(rng.integers(roof_top, wall_top))
-            draw.polygon([(x, y), (x + int(rng.integers(4, 12)), y + int(rng.integers(-4, 5))),
-                          (x + int(rng.integers(0, 8)), y + int(rng.integers(3, 10)))], fill=random_colour(rng))
+            draw.polygon(
+                [
+                    (x, y),
+                    (x + int(rng.integers(4, 12)), y + int(rng.integers(-4, 5))),
+                    (x + int(rng.integers(0, 8)), y + int(rng.integers(3, 10))),
+                ],
+                fill=random_colour(rng),
+            )
         debris, debris_top = 350, 0
     for _ in range(debris):  # short dark or bright strokes: planks, shingles, branches
         x = int(rng.integers(0, width))
         y = int(rng.integers(debris_top, height))
         dx, dy = (int(v) for v in rng.integers(-5, 6, size=2))
-        draw.line([(x, y), (x + dx, y + dy)], fill=random_colour(rng, 0, 60) if rng.random() < 0.5
-                  else random_colour(rng, 200, 256), width=2)
+        draw.line(
+            [(x, y), (x + dx, y + dy)],
+            fill=random_colour(rng, 0, 60) if rng.random() < 0.5 else random_colour(rng, 200, 256),
+            width=2,
+        )
     return image
 
 

@@ -12,6 +12,7 @@ a file that is not a readable image) with one :class:`UserError` line naming
 the problem and the fix. Sharding is not decided here: the public API's loaders
 shard and batch the dataset.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,9 @@ def image_files(folder: str) -> List[str]:
 
 
 def class_folders(split_dir: str) -> List[str]:
-    return sorted(name for name in os.listdir(split_dir)
-                  if os.path.isdir(os.path.join(split_dir, name)) and visible(name))
+    return sorted(
+        name for name in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, name)) and visible(name)
+    )
 
 
 def check_image(path: str) -> None:
@@ -72,8 +74,11 @@ def check_layout(root: str, decode_images: bool = True) -> Dict[str, str]:
     """
     if not os.path.isdir(root):
         raise UserError(f"--data-root {root} does not exist; {LAYOUT_HINT}")
-    present = {split: os.path.join(root, folder) for split, folder in SPLIT_FOLDERS.items()
-               if os.path.isdir(os.path.join(root, folder))}
+    present = {
+        split: os.path.join(root, folder)
+        for split, folder in SPLIT_FOLDERS.items()
+        if os.path.isdir(os.path.join(root, folder))
+    }
     for split in REQUIRED_SPLITS:
         if split not in present:
             found = ", ".join(sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))) or "nothing"
@@ -86,14 +91,18 @@ def check_layout(root: str, decode_images: bool = True) -> Dict[str, str]:
         if theirs != classes:
             only_train = sorted(set(classes) - set(theirs))
             only_here = sorted(set(theirs) - set(classes))
-            raise UserError(f"class folders differ between {SPLIT_FOLDERS['train']}/ and {SPLIT_FOLDERS[split]}/ "
-                            f"in {root}: only in Train: {only_train or 'none'}, only in {SPLIT_FOLDERS[split]}: "
-                            f"{only_here or 'none'}; every split needs the same class folders")
+            raise UserError(
+                f"class folders differ between {SPLIT_FOLDERS['train']}/ and {SPLIT_FOLDERS[split]}/ "
+                f"in {root}: only in Train: {only_train or 'none'}, only in {SPLIT_FOLDERS[split]}: "
+                f"{only_here or 'none'}; every split needs the same class folders"
+            )
         for name in classes:
             files = image_files(os.path.join(split_dir, name))
             if not files:
-                raise UserError(f"class folder {os.path.join(split_dir, name)} has no images "
-                                f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the class from every split")
+                raise UserError(
+                    f"class folder {os.path.join(split_dir, name)} has no images "
+                    f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the class from every split"
+                )
             if decode_images:
                 for path in files:
                     check_image(path)

@@ -8,6 +8,7 @@ Sources, by ``--dataset``:
   ships (500 per class), split 4,000 train / 1,000 validation, stratified.
 * ``auto``         -- ``mnist`` when available, else ``mnist-sample`` with a one-line note.
 """
+
 from __future__ import annotations
 
 import socket
@@ -101,8 +102,12 @@ def load_mnist(dataset: str, root: str, note: Callable[[str], None] = print) -> 
         return load_torchvision_mnist(root)
     except (RuntimeError, OSError) as exc:
         if dataset == "mnist":
-            raise UserError(f"MNIST is not in {root} and could not be downloaded ({first_line(exc)}); "
-                            f"put MNIST/raw there, or use --dataset mnist-sample") from None
-        note(f"MNIST is not in {root} and could not be downloaded; using the embedded 5,000-image "
-             f"MNIST sample instead (--dataset mnist-sample)")
+            raise UserError(
+                f"MNIST is not in {root} and could not be downloaded ({first_line(exc)}); "
+                f"put MNIST/raw there, or use --dataset mnist-sample"
+            ) from None
+        note(
+            f"MNIST is not in {root} and could not be downloaded; using the embedded 5,000-image "
+            f"MNIST sample instead (--dataset mnist-sample)"
+        )
         return load_mnist_sample()

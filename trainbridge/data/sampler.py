@@ -21,6 +21,7 @@ where a checkpoint stopped:
 * another world size, same global batch: the same steps follow, dealt among the
   new ranks.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List
@@ -87,4 +88,6 @@ class TrainBatches:
         g, w = self.global_batch, self.world_size
         for step in range(len(self)):
             start = self.position + step * g
-            yield SeededBatch(order[start + self.rank:start + g:w], mix_seed(self.seed, self.epoch, start, self.rank))
+            yield SeededBatch(
+                order[start + self.rank : start + g : w], mix_seed(self.seed, self.epoch, start, self.rank)
+            )

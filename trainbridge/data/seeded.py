@@ -9,6 +9,7 @@ Here every batch reseeds the three generators from the seed its
 main process (where the training's own generators are put back afterwards, so
 dropout draws the same numbers whether data loads in workers or not).
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Sized, cast

@@ -10,6 +10,7 @@ commands, the behaviour, and every name with its status.
 
 ``hvd.using_real_horovod`` tells which one is active.
 """
+
 import sys as _sys
 
 from ..errors import UserError as _UserError
@@ -22,21 +23,29 @@ except _UserError as _exc:
     # A script's import, not an entry point: report the bad environment as the CLI does, one line
     # (from the first rank only) and exit status 2, instead of a traceback on every rank.
     from ..launch import detect_launch as _detect_launch
+
     if _detect_launch().rank == 0:
         print(f"trainbridge: error: {_exc}", file=_sys.stderr, flush=True)
     raise SystemExit(2) from None
 
 if using_real_horovod:
     from ..backends.horovod import HOROVOD_FIX as _FIX, horovod_problem as _horovod_problem
+
     _problem = _horovod_problem()
     if _problem is not None:  # one line, from the first rank, as above
         from ..launch import detect_launch as _detect_launch
+
         if _detect_launch().rank == 0:
-            print(f"trainbridge: error: horovodrun started this job, so trainbridge.hvd is Horovod's own "
-                  f"horovod.torch, and {_problem}; {_FIX}, or launch with torchrun or mpirun (trainbridge.hvd "
-                  f"then runs on torch.distributed)", file=_sys.stderr, flush=True)
+            print(
+                f"trainbridge: error: horovodrun started this job, so trainbridge.hvd is Horovod's own "
+                f"horovod.torch, and {_problem}; {_FIX}, or launch with torchrun or mpirun (trainbridge.hvd "
+                f"then runs on torch.distributed)",
+                file=_sys.stderr,
+                flush=True,
+            )
         raise SystemExit(2)
     import horovod.torch as _horovod_torch
+
     globals().update({k: v for k, v in vars(_horovod_torch).items() if not k.startswith("_")})
 else:
     from . import elastic

@@ -5,6 +5,7 @@ job uses. Collectives always negotiate over gloo, and CUDA tensors go over nccl
 when it is available, so MPI is never enabled here, even under mpirun (which
 only starts the processes; see "Launching" in docs/MIGRATING_FROM_HOROVOD.md).
 """
+
 from __future__ import annotations
 
 import torch

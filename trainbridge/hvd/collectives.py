@@ -17,6 +17,7 @@ calling rank before anything is sent (:func:`_validating`); a rejected input
 raises there *and* is announced, so that peers which submitted the same operation
 raise the same exception type instead of waiting for this rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,10 @@ def _check(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
-        raise ValueError(f"Tensor type {tensor.type()} is not supported ({tensor.layout} tensors: convert with "
-                         f".to_dense(), or use hvd.sparse_allreduce_async)")
+        raise ValueError(
+            f"Tensor type {tensor.type()} is not supported ({tensor.layout} tensors: convert with "
+            f".to_dense(), or use hvd.sparse_allreduce_async)"
+        )
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Tensor type {tensor.type()} is not supported.")
     if not tensor.is_contiguous():
@@ -54,8 +57,10 @@ def _check(tensor: torch.Tensor) -> torch.Tensor:
 
 def _needs_rows(kind: str, tensors: Sequence[torch.Tensor]) -> None:
     if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
-        raise ScalarInputError(f"{kind.capitalize()} does not support scalar inputs: it splits or concatenates "
-                               f"along the first dimension (reshape with .view(1))")
+        raise ScalarInputError(
+            f"{kind.capitalize()} does not support scalar inputs: it splits or concatenates "
+            f"along the first dimension (reshape with .view(1))"
+        )
 
 
 class _Target:
@@ -66,8 +71,14 @@ class _Target:
 
     def announce(self, kind: str, tensors: Sequence[torch.Tensor], **fields: Any) -> Announcement:
         tensors = [_check(t) for t in tensors]
-        return Announcement(kind, tuple(tuple(t.shape) for t in tensors), tuple(str(t.dtype) for t in tensors),
-                            tensors[0].device.type if tensors else "cpu", process_set=self.set_id, **fields)
+        return Announcement(
+            kind,
+            tuple(tuple(t.shape) for t in tensors),
+            tuple(str(t.dtype) for t in tensors),
+            tensors[0].device.type if tensors else "cpu",
+            process_set=self.set_id,
+            **fields,
+        )
 
 
 @contextlib.contextmanager
@@ -87,8 +98,9 @@ def _validating(kind: str, name: Optional[str], process_set: ProcessSet) -> Iter
         raise
 
 
-def _enqueue(target: _Target, name: Optional[str], announcement: Announcement, inputs, outputs=None,
-             grouped=False) -> int:
+def _enqueue(
+    target: _Target, name: Optional[str], announcement: Announcement, inputs, outputs=None, grouped=False
+) -> int:
     return _register(target.engine.submit(name, announcement, list(inputs), outputs, grouped))
 
 
@@ -124,30 +136,49 @@ def _set_rank(process_set: ProcessSet) -> int:
 
 
 # ----- allreduce --------------------------------------------------------------
-def _allreduce_async(tensors, outputs, grouped, average, name, op, prescale_factor, postscale_factor,
-                     process_set) -> int:
+def _allreduce_async(
+    tensors, outputs, grouped, average, name, op, prescale_factor, postscale_factor, process_set
+) -> int:
     with _validating("allreduce", name, process_set) as target:
-        announcement = target.announce("allreduce", tensors, op=resolve_op(op, average),
-                                       prescale=float(prescale_factor), postscale=float(postscale_factor))
+        announcement = target.announce(
+            "allreduce",
+            tensors,
+            op=resolve_op(op, average),
+            prescale=float(prescale_factor),
+            postscale=float(postscale_factor),
+        )
     return _enqueue(target, name, announcement, tensors, outputs() if callable(outputs) else outputs, grouped)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set) -> int:
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start :func:`allreduce` without waiting; returns a handle for :func:`synchronize` or :func:`poll`."""
-    return _allreduce_async([tensor], lambda: [torch.empty_like(tensor)], False, average, name, op,
-                            prescale_factor, postscale_factor, process_set)
+    return _allreduce_async(
+        [tensor],
+        lambda: [torch.empty_like(tensor)],
+        False,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set) -> int:
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start an in-place :func:`allreduce_` without waiting; returns a handle for :func:`synchronize`."""
-    return _allreduce_async([tensor], [tensor], False, average, name, op, prescale_factor, postscale_factor,
-                            process_set)
+    return _allreduce_async(
+        [tensor], [tensor], False, average, name, op, prescale_factor, postscale_factor, process_set
+    )
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set) -> torch.Tensor:
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` is overwritten with the result, which is also returned."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -155,71 +186,107 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, op, name, prescale_factor, postscale_factor, process_set):
-        result = synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                             process_set))
-        ctx.op, ctx.factors, ctx.process_set = resolve_op(op, average), (prescale_factor, postscale_factor), \
-            process_set
+        result = synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+        ctx.op, ctx.factors, ctx.process_set = resolve_op(op, average), (prescale_factor, postscale_factor), process_set
         return result
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output.contiguous(), op=ctx.op, prescale_factor=ctx.factors[0],
-                         postscale_factor=ctx.factors[1], process_set=ctx.process_set)
+        grad = allreduce(
+            grad_output.contiguous(),
+            op=ctx.op,
+            prescale_factor=ctx.factors[0],
+            postscale_factor=ctx.factors[1],
+            process_set=ctx.process_set,
+        )
         return grad, None, None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+) -> torch.Tensor:
     """Average (default) or Sum/Min/Max/Product of ``tensor`` over the set's ranks; the input is not modified."""
     compressed, ctx = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, average, op, name, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set) -> int:
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start :func:`grouped_allreduce` without waiting; returns a handle for :func:`synchronize`."""
-    return _allreduce_async(list(tensors), lambda: [torch.empty_like(t) for t in tensors], True, average, name,
-                            op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_async(
+        list(tensors),
+        lambda: [torch.empty_like(t) for t in tensors],
+        True,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set) -> int:
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start an in-place :func:`grouped_allreduce_` without waiting; returns a handle."""
-    return _allreduce_async(list(tensors), list(tensors), True, average, name, op, prescale_factor,
-                            postscale_factor, process_set)
+    return _allreduce_async(
+        list(tensors), list(tensors), True, average, name, op, prescale_factor, postscale_factor, process_set
+    )
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """In-place :func:`grouped_allreduce`: every tensor of ``tensors`` is overwritten with its result."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, op, name, prescale_factor, postscale_factor, process_set, *tensors):
-        result = synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                                     postscale_factor, process_set))
-        ctx.op, ctx.factors, ctx.process_set = resolve_op(op, average), (prescale_factor, postscale_factor), \
-            process_set
+        result = synchronize(
+            grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
+        )
+        ctx.op, ctx.factors, ctx.process_set = resolve_op(op, average), (prescale_factor, postscale_factor), process_set
         return result
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        grads = grouped_allreduce([g.contiguous() for g in grad_outputs], op=ctx.op,
-                                  prescale_factor=ctx.factors[0], postscale_factor=ctx.factors[1],
-                                  process_set=ctx.process_set)
+        grads = grouped_allreduce(
+            [g.contiguous() for g in grad_outputs],
+            op=ctx.op,
+            prescale_factor=ctx.factors[0],
+            postscale_factor=ctx.factors[1],
+            process_set=ctx.process_set,
+        )
         return (None, None, None, None, None, None, *grads)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> List[torch.Tensor]:
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+) -> List[torch.Tensor]:
     """``allreduce`` of a list of tensors as one operation (one name, fused)."""
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
-    reduced = _GroupedAllreduce.apply(average, op, name, prescale_factor, postscale_factor, process_set,
-                                      *compressed)
+    reduced = _GroupedAllreduce.apply(average, op, name, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, ctx) for t, ctx in zip(reduced, ctxs)]
 
 
@@ -228,11 +295,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     waits and gives the aggregated sparse tensor (duplicate indices are summed when it is coalesced)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         with _validating("allgather", f"{name}.indices", process_set):
-            raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor, got "
-                             f"{tensor.type() if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+            raise ValueError(
+                f"sparse_allreduce_async needs a sparse COO tensor, got "
+                f"{tensor.type() if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
+            )
     # allgather concatenates along dim 0: gather the indices transposed, as Horovod does.
-    indices_handle = allgather_async(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
-                                     process_set=process_set)
+    indices_handle = allgather_async(
+        tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices", process_set=process_set
+    )
     values_handle = allgather_async(tensor._values(), name=f"{name}.values", process_set=process_set)
     set_size = _set_size(process_set)
 
@@ -267,7 +337,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 def _my_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     """This rank's slice of a gathered gradient: offsets come from every member's row count."""
     counts = allgather(torch.tensor([rows], dtype=torch.int32), process_set=process_set).view(-1)
-    offset = int(counts[:_set_rank(process_set)].sum())
+    offset = int(counts[: _set_rank(process_set)].sum())
     return grad.narrow(0, offset, rows)
 
 
@@ -309,8 +379,10 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> Lis
 def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
     with _validating("broadcast", name, process_set) as target:
         if not isinstance(root_rank, int) or root_rank not in target.members:
-            raise ValueError(f"root_rank {root_rank} is not a rank of the process set {list(target.members)} "
-                             f"(broadcast takes a global rank, as in Horovod)")
+            raise ValueError(
+                f"root_rank {root_rank} is not a rank of the process set {list(target.members)} "
+                f"(broadcast takes a global rank, as in Horovod)"
+            )
         announcement = target.announce("broadcast", [tensor], root=int(root_rank))
     return _enqueue(target, name, announcement, [tensor], [output() if callable(output) else output])
 
@@ -354,8 +426,10 @@ def _row_splits(tensor: torch.Tensor, splits, size: int) -> List[int]:
     _needs_rows("alltoall", [tensor])
     if splits is None:
         if tensor.shape[0] % size:
-            raise ValueError(f"alltoall without splits needs a first dimension divisible by the number of processes "
-                             f"({tensor.shape[0]} rows, {size} processes)")
+            raise ValueError(
+                f"alltoall without splits needs a first dimension divisible by the number of processes "
+                f"({tensor.shape[0]} rows, {size} processes)"
+            )
         return [tensor.shape[0] // size] * size
     if isinstance(splits, torch.Tensor):
         if splits.dtype != torch.int32:
@@ -365,8 +439,9 @@ def _row_splits(tensor: torch.Tensor, splits, size: int) -> List[int]:
     if len(splits) != size or any(s < 0 for s in splits):
         raise ValueError(f"alltoall splits must hold {size} non-negative row counts, got {splits}")
     if sum(splits) > tensor.shape[0]:
-        raise ValueError(f"alltoall splits {splits} add up to {sum(splits)} rows, more than the tensor's "
-                         f"{tensor.shape[0]}")
+        raise ValueError(
+            f"alltoall splits {splits} add up to {sum(splits)} rows, more than the tensor's {tensor.shape[0]}"
+        )
     return splits
 
 
@@ -375,7 +450,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     with _validating("alltoall", name, process_set) as target:
         _check(tensor)
         row_splits = _row_splits(tensor, splits, len(target.members))
-        sent = tensor[:sum(row_splits)].contiguous() if sum(row_splits) < tensor.shape[0] else tensor
+        sent = tensor[: sum(row_splits)].contiguous() if sum(row_splits) < tensor.shape[0] else tensor
         announcement = target.announce("alltoall", [sent], splits=tuple(row_splits))
     return _enqueue(target, name, announcement, [sent])
 
@@ -406,19 +481,26 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def _reducescatter_async(tensors, grouped, name, op, process_set, prescale_factor, postscale_factor) -> int:
     with _validating("reducescatter", name, process_set) as target:
         _needs_rows("reducescatter", tensors)
-        announcement = target.announce("reducescatter", tensors, op=resolve_reducescatter_op(op),
-                                       prescale=float(prescale_factor), postscale=float(postscale_factor))
+        announcement = target.announce(
+            "reducescatter",
+            tensors,
+            op=resolve_reducescatter_op(op),
+            prescale=float(prescale_factor),
+            postscale=float(postscale_factor),
+        )
     return _enqueue(target, name, announcement, tensors, grouped=grouped)
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0) -> int:
+def reducescatter_async(
+    tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
     """Start :func:`reducescatter` without waiting; returns a handle for :func:`synchronize`."""
     return _reducescatter_async([tensor], False, name, op, process_set, prescale_factor, postscale_factor)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+def grouped_reducescatter_async(
+    tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
     """Start :func:`grouped_reducescatter` without waiting; returns a handle for :func:`synchronize`."""
     return _reducescatter_async(list(tensors), True, name, op, process_set, prescale_factor, postscale_factor)
 
@@ -443,8 +525,15 @@ class _Reducescatter(torch.autograd.Function):
         return _reducescatter_grad(grad_output, ctx.op, ctx.factors, ctx.process_set), None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
+def reducescatter(
+    tensor,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+) -> torch.Tensor:
     """Reduce over the members, then split dim 0: member i keeps its rows (the first ``rows % size`` one more)."""
     compressed, ctx = compression.compress(tensor)
     reduced = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
@@ -455,17 +544,31 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.op, ctx.factors, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
-        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
-                                                       postscale_factor))
+        return synchronize(
+            grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor, postscale_factor)
+        )
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None, None, None, None, None,
-                *[_reducescatter_grad(g, ctx.op, ctx.factors, ctx.process_set) for g in grad_outputs])
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *[_reducescatter_grad(g, ctx.op, ctx.factors, ctx.process_set) for g in grad_outputs],
+        )
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """:func:`reducescatter` of a list of tensors as one operation (one name); a list of results."""
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)

@@ -1,4 +1,5 @@
 """Gradient compression for allreduce: ``Compression.none`` and ``Compression.fp16`` (Horovod's API)."""
+
 from __future__ import annotations
 
 from typing import Any, Tuple

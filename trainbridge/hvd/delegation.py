@@ -23,6 +23,7 @@ with the same line as ``--backend horovod`` there
 (:func:`trainbridge.backends.horovod.refuse_horovod_under`): Horovod ignores their
 variables, so each process would be a job of size 1, training alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,8 +70,11 @@ def use_real_horovod(environ: Optional[Mapping[str, str]] = None) -> bool:
             raise UserError(f"TRAINBRIDGE_HVD_BACKEND={override!r}: use 'horovod' or 'torch'")
         env = detect_launch(environ)
         if override == "horovod":
-            refuse_horovod_under(env, "TRAINBRIDGE_HVD_BACKEND=horovod", f"unset TRAINBRIDGE_HVD_BACKEND under "
-                                 f"{env.launcher} (trainbridge.hvd then runs on torch.distributed)")
+            refuse_horovod_under(
+                env,
+                "TRAINBRIDGE_HVD_BACKEND=horovod",
+                f"unset TRAINBRIDGE_HVD_BACKEND under {env.launcher} (trainbridge.hvd then runs on torch.distributed)",
+            )
         return override == "horovod"
     launcher = detect_launch(environ).launcher
     return launcher == "horovodrun" or (launcher == "mpirun" and started_by_horovodrun_mpi(environ))

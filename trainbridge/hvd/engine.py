@@ -38,6 +38,7 @@ Contract (the same as Horovod's background loop):
 * The engine thread never ends silently: whatever stops it, every pending and
   every later operation raises HorovodInternalError with the cause.
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,8 +61,18 @@ from .reduce_ops import TORCH_REDUCE_OPS, Average, HorovodInternalError, rejecti
 
 # gloo has no int16 kernels (and nccl no bool): such tensors travel widened.
 TRANSPORT_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
-SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                    torch.bfloat16, torch.float32, torch.float64, torch.bool)
+SUPPORTED_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+)
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 
 
@@ -84,8 +95,7 @@ class Handle:
     def wait(self) -> Any:
         while not self._done.wait(timeout=1.0):  # short waits keep Ctrl-C responsive
             if not self._engine_alive() and not self._done.is_set():
-                raise HorovodInternalError("the trainbridge.hvd engine thread ended without finishing this "
-                                           "operation")
+                raise HorovodInternalError("the trainbridge.hvd engine thread ended without finishing this operation")
         if self._error is not None:
             raise self._error
         return self._result
@@ -128,10 +138,19 @@ def dtype_from_name(name: str) -> torch.dtype:
 class Engine:
     """Per-process collective engine over torch.distributed; see the module docstring."""
 
-    def __init__(self, rank: int, size: int, control_group: Any, cuda_group: Any = None,
-                 cycle_time: float = 0.001, static_sets: Sequence[Tuple[int, ...]] = (),
-                 timeout: float = DEFAULT_TIMEOUT_S, stall_shutdown_s: Optional[float] = None,
-                 lane_of: Optional["Engine"] = None, set_id: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        control_group: Any,
+        cuda_group: Any = None,
+        cycle_time: float = 0.001,
+        static_sets: Sequence[Tuple[int, ...]] = (),
+        timeout: float = DEFAULT_TIMEOUT_S,
+        stall_shutdown_s: Optional[float] = None,
+        lane_of: Optional["Engine"] = None,
+        set_id: int = 0,
+    ) -> None:
         """The global engine; with ``lane_of`` (the global engine) and ``set_id``, the lane of that process set."""
         self.rank, self.size = rank, size
         self._cycle_time = cycle_time
@@ -171,8 +190,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"trainbridge-hvd-engine{suffix}", daemon=True)
         self._thread.start()
         period = max(0.05, min(1.0, (self._stall_s or 1.0) / 4, (stall_shutdown_s or 1.0) / 4))
-        self._watchdog = WatchdogThread(self._check_stalls, period, name="trainbridge-hvd-stall-check",
-                                        alive=self._thread.is_alive)
+        self._watchdog = WatchdogThread(
+            self._check_stalls, period, name="trainbridge-hvd-stall-check", alive=self._thread.is_alive
+        )
 
     # ----- caller side ------------------------------------------------------
     def _name(self, name: Optional[str], kind: str) -> str:
@@ -188,8 +208,14 @@ class Engine:
         (and for a set that is gone, which this engine's table then fails as unregistered)."""
         return self._lanes.get(set_id, self) if set_id else self
 
-    def submit(self, name: Optional[str], announcement: Announcement, inputs: List[torch.Tensor],
-               outputs: Optional[List[torch.Tensor]] = None, grouped: bool = False) -> Handle:
+    def submit(
+        self,
+        name: Optional[str],
+        announcement: Announcement,
+        inputs: List[torch.Tensor],
+        outputs: Optional[List[torch.Tensor]] = None,
+        grouped: bool = False,
+    ) -> Handle:
         """Queue one operation; ``name=None`` gets Horovod's auto-incremented name (numbered per process set)."""
         lane = self._lane(announcement.process_set)
         if lane is not self:
@@ -200,10 +226,11 @@ class Engine:
             name = self._name(name, kind)
             key = (announcement.process_set, name)
             if key in self._local:
-                raise ValueError(f"hvd.{kind}: an operation named {name!r} is already in progress on rank "
-                                 f"{self.rank}; synchronize it first or give the new one another name")
-            request = Request(key, announcement, inputs, outputs, grouped,
-                              handle=Handle(self._thread.is_alive))
+                raise ValueError(
+                    f"hvd.{kind}: an operation named {name!r} is already in progress on rank "
+                    f"{self.rank}; synchronize it first or give the new one another name"
+                )
+            request = Request(key, announcement, inputs, outputs, grouped, handle=Handle(self._thread.is_alive))
             self._local[key] = request
             self._outbox.append((name, announcement))
             self._cv.notify()
@@ -221,8 +248,9 @@ class Engine:
             name = self._name(name, kind)
             if (process_set, name) in self._local:
                 return  # the name is in flight here: announcing again would replace that announcement
-            announcement = Announcement(kind, process_set=process_set,
-                                        error=(type(error).__name__, f"{first_line(error)}"))
+            announcement = Announcement(
+                kind, process_set=process_set, error=(type(error).__name__, f"{first_line(error)}")
+            )
             self._outbox.append((name, announcement))
             self._cv.notify()
 
@@ -292,9 +320,15 @@ class Engine:
                     assert handle is not None  # a join completes only after this rank announced its own
                     handle.finish(outcome.join_completed_by)
                 if outcome.shutdown_by:
-                    self._close(HorovodInternalError(outcome.shutdown_reason or (
-                        f"Horovod has been shut down: rank {outcome.shutdown_by[0]} called hvd.shutdown() "
-                        f"or exited while this operation was in progress")))
+                    self._close(
+                        HorovodInternalError(
+                            outcome.shutdown_reason
+                            or (
+                                f"Horovod has been shut down: rank {outcome.shutdown_by[0]} called hvd.shutdown() "
+                                f"or exited while this operation was in progress"
+                            )
+                        )
+                    )
                     return
                 if not outcome.ready:
                     with self._cv:  # nothing moved: pause one cycle unless something new arrives
@@ -303,12 +337,16 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
             stalled = self._stalled(time.monotonic(), self._stall_shutdown_s or self._timeout)
             if stalled:
-                reason = (f"a collective failed on rank {self.rank} after {self._describe(stalled)} "
-                          f"({type(exc).__name__}: {first_line(exc)}); the job shut down instead of waiting "
-                          f"for ever (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / TRAINBRIDGE_HVD_TIMEOUT)")
+                reason = (
+                    f"a collective failed on rank {self.rank} after {self._describe(stalled)} "
+                    f"({type(exc).__name__}: {first_line(exc)}); the job shut down instead of waiting "
+                    f"for ever (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / TRAINBRIDGE_HVD_TIMEOUT)"
+                )
             else:
-                reason = (f"a collective failed on rank {self.rank} ({type(exc).__name__}: {first_line(exc)}); "
-                          f"a peer probably exited or lost its connection (or this rank failed: see the cause)")
+                reason = (
+                    f"a collective failed on rank {self.rank} ({type(exc).__name__}: {first_line(exc)}); "
+                    f"a peer probably exited or lost its connection (or this rank failed: see the cause)"
+                )
             error = HorovodInternalError(reason)
             error.__cause__ = exc
             self._close(error)
@@ -343,8 +381,10 @@ class Engine:
         for request in requests:
             set_id, name = request.key
             where = "" if set_id == 0 else f" in process set {set_id} {list(self.process_sets.get(set_id, ()))}"
-            parts.append(f"{request.announcement.kind} {name!r}{where} (waited {now - request.submitted_at:.0f}s; "
-                         f"ranks {self._missing(request)} have not submitted it)")
+            parts.append(
+                f"{request.announcement.kind} {name!r}{where} (waited {now - request.submitted_at:.0f}s; "
+                f"ranks {self._missing(request)} have not submitted it)"
+            )
         return "; ".join(parts)
 
     def _check_stalls(self) -> None:
@@ -352,20 +392,27 @@ class Engine:
         now = time.monotonic()
         if self._stall_s is not None:
             with self._cv:
-                fresh = [r for r in self._local.values()
-                         if not r.stall_reported and now - r.submitted_at > self._stall_s]
+                fresh = [
+                    r for r in self._local.values() if not r.stall_reported and now - r.submitted_at > self._stall_s
+                ]
                 for request in fresh:
                     request.stall_reported = True
             if fresh:
-                print(f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
-                      f"Unnamed operations are numbered per process and process set, so every member must issue "
-                      f"them in the same order", file=sys.stderr, flush=True)
+                print(
+                    f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
+                    f"Unnamed operations are numbered per process and process set, so every member must issue "
+                    f"them in the same order",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self._stall_shutdown_s is not None:
             stalled = self._stalled(now, self._stall_shutdown_s)
             if stalled:
-                reason = (f"Horovod has been shut down: rank {self.rank} waited more than "
-                          f"{self._stall_shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, at most "
-                          f"TRAINBRIDGE_HVD_TIMEOUT) for {self._describe(stalled)}")
+                reason = (
+                    f"Horovod has been shut down: rank {self.rank} waited more than "
+                    f"{self._stall_shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, at most "
+                    f"TRAINBRIDGE_HVD_TIMEOUT) for {self._describe(stalled)}"
+                )
                 with self._cv:
                     if not isinstance(self._shutdown_requested, str):
                         self._shutdown_requested = reason
@@ -396,9 +443,16 @@ class Engine:
         self._set_groups[set_id] = (gloo, cuda)
         self.process_sets[set_id] = ranks
         if self.rank in ranks:  # the set negotiates among its members only, on its own thread
-            self._lanes[set_id] = Engine(self.rank, self.size, None, cycle_time=self._cycle_time,
-                                         timeout=self._timeout, stall_shutdown_s=self._stall_shutdown_s,
-                                         lane_of=self, set_id=set_id)
+            self._lanes[set_id] = Engine(
+                self.rank,
+                self.size,
+                None,
+                cycle_time=self._cycle_time,
+                timeout=self._timeout,
+                stall_shutdown_s=self._stall_shutdown_s,
+                lane_of=self,
+                set_id=set_id,
+            )
         return set_id
 
     def _destroy_groups(self, groups: Tuple[Any, Any]) -> None:
@@ -471,8 +525,10 @@ class Engine:
         device = torch.device("cpu")
         if announcement.device == "cuda":
             device = torch.device("cuda", self._join_device if self._join_device >= 0 else torch.cuda.current_device())
-        return [torch.zeros(shape, dtype=dtype_from_name(dtype), device=device)
-                for shape, dtype in zip(announcement.shapes, announcement.dtypes)]
+        return [
+            torch.zeros(shape, dtype=dtype_from_name(dtype), device=device)
+            for shape, dtype in zip(announcement.shapes, announcement.dtypes)
+        ]
 
     def _reduce(self, entries: List[tuple]) -> List[List[torch.Tensor]]:
         """Reduce every tensor of every (decision, request); returns the reduced tensors per entry.
@@ -498,7 +554,7 @@ class Engine:
                 dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat, set_id))
                 offset = 0
                 for index, slot, tensor, ref in chunk:
-                    part = flat[offset:offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
+                    part = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
                     offset += tensor.numel()
                     # Average is Sum then 1/size, folded into the post-scale as Horovod does.
                     results[index][slot] = scaled(part, ref.postscale / members if op == Average else ref.postscale)
@@ -527,7 +583,7 @@ class Engine:
             send = transport(tensor)
             if tensor.shape[0] != longest:
                 padded = send.new_zeros((longest,) + tuple(tensor.shape[1:]))
-                padded[:tensor.shape[0]] = send
+                padded[: tensor.shape[0]] = send
                 send = padded
             received = [torch.empty_like(send) for _ in members]
             dist.all_gather(received, send.contiguous(), group=self._group_for(send, decision.process_set))
@@ -550,10 +606,16 @@ class Engine:
         # alltoall announces its splits on every rank
         send_splits = list(decision.by_rank[self.rank].splits or ())
         recv_splits = [(decision.by_rank[r].splits or ())[members.index(self.rank)] for r in members]
-        output = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]),
-                             dtype=transport(tensor).dtype, device=tensor.device)
-        dist.all_to_all_single(output, transport(tensor), output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits, group=self._group_for(output, decision.process_set))
+        output = torch.empty(
+            (sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=transport(tensor).dtype, device=tensor.device
+        )
+        dist.all_to_all_single(
+            output,
+            transport(tensor),
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=self._group_for(output, decision.process_set),
+        )
         return output.to(tensor.dtype), torch.tensor(recv_splits, dtype=torch.int32)
 
     def _reducescatter(self, decision: Decision, request: Request) -> Any:
@@ -565,7 +627,7 @@ class Engine:
             rows = reduced.shape[0]
             counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
             start = sum(counts[:position])
-            results.append(reduced[start:start + counts[position]].clone())
+            results.append(reduced[start : start + counts[position]].clone())
         return tuple(results) if request.grouped else results[0]
 
     def _barrier(self, decision: Decision, request: Request) -> None:

@@ -8,6 +8,7 @@ lambdas work), else with the standard pickle. Every function takes
 ``process_set=`` (``broadcast_parameters``, ``broadcast_optimizer_state`` and
 ``allgather_object`` in addition to Horovod 0.28.1, whose versions span all ranks).
 """
+
 from __future__ import annotations
 
 import collections
@@ -45,8 +46,9 @@ def broadcast_parameters(params, root_rank: int, process_set=global_process_set)
         synchronize(handle)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None,
-                              process_set=global_process_set) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model=None, process_set=global_process_set
+) -> None:
     """Make every rank's optimizer state (tensors, step counts, hyper-parameters) equal to ``root_rank``'s."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
@@ -64,8 +66,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
             for p in group["params"]:
                 if p.requires_grad and id(p) not in state_dict["state"]:
                     p.grad = p.data.new(p.size()).zero_()
-                    if isinstance(optimizer, torch.optim.SparseAdam) or \
-                            (isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params):
+                    if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params
+                    ):
                         p.grad = p.grad.to_sparse()
         # DistributedOptimizer.step() would allreduce, which deadlocks unless every
         # rank calls it; the wrapped optimizer's own step is enough here.
@@ -84,11 +87,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     def assign_state(pid, key):
         def assign(value):
             state_dict["state"][pid][key] = value
+
         return assign
 
     def assign_option(index, key):
         def assign(value):
             optimizer.param_groups[index][key] = value
+
         return assign
 
     for index, group in enumerate(state_dict["param_groups"]):
@@ -114,8 +119,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         callbacks[key](value)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set=global_process_set) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=global_process_set) -> Any:
     """``root_rank``'s ``obj`` (pickled), on every rank."""
     name = type(obj).__name__ if name is None else name
     if rank() == root_rank:
@@ -143,4 +147,4 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_pr
     sizes = allgather(torch.IntTensor([payload.shape[0]]), name=name + ".sz", process_set=process_set).tolist()
     gathered = allgather(payload, name=name + ".t", process_set=process_set).numpy()
     offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [_pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]
+    return [_pickle.loads(gathered[offsets[i] : offsets[i + 1]].tobytes()) for i in range(len(sizes))]

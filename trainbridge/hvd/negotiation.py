@@ -20,6 +20,7 @@ engine.py): ranks outside a set never take part in its operations.
 This module is pure bookkeeping (no torch.distributed), so it is unit-tested
 without processes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -115,8 +116,15 @@ class NegotiationTable:
             members = self.members.get(set_id)
             if members is None:  # only reachable by a bug: never leave it pending
                 del self.pending[key]
-                ready.append(Decision(name, by_rank, f"{name!r} names process set {set_id}, which is not "
-                                      f"registered", "ValueError", set_id))
+                ready.append(
+                    Decision(
+                        name,
+                        by_rank,
+                        f"{name!r} names process set {set_id}, which is not registered",
+                        "ValueError",
+                        set_id,
+                    )
+                )
                 continue
             # hvd.join() covers the global set: joined ranks answer its allreduces with zeros.
             joined = self.joined if set_id == 0 else []
@@ -164,13 +172,14 @@ def disagreement(name: str, by_rank: Dict[int, Announcement], joined: Sequence[i
         return f"ranks disagree on the {what} of {kind} {name!r}: {_describe(by_rank, field)}"
 
     if differs(lambda a: a.kind):
-        return f"ranks submitted different operations under the name {name!r}: " + \
-            _describe(by_rank, lambda a: a.kind)
+        return f"ranks submitted different operations under the name {name!r}: " + _describe(by_rank, lambda a: a.kind)
     kind = next(iter(by_rank.values())).kind
     absent = [r for r in joined if r not in by_rank]
     if absent and kind != "allreduce":
-        return (f"{kind} {name!r} cannot run: rank(s) {', '.join(map(str, absent))} already called hvd.join(); "
-                f"after join only allreduce continues (joined ranks contribute zeros)")
+        return (
+            f"{kind} {name!r} cannot run: rank(s) {', '.join(map(str, absent))} already called hvd.join(); "
+            f"after join only allreduce continues (joined ranks contribute zeros)"
+        )
     if differs(lambda a: len(a.shapes)):
         return problem("number of tensors", lambda a: len(a.shapes))
     if differs(lambda a: a.dtypes):
@@ -180,8 +189,7 @@ def disagreement(name: str, by_rank: Dict[int, Announcement], joined: Sequence[i
     if kind in ("allreduce", "reducescatter", "broadcast") and differs(lambda a: a.shapes):
         return problem("shape", lambda a: ", ".join(str(_shape(s)) for s in a.shapes))
     if kind in ("allgather", "alltoall") and differs(lambda a: [s[1:] for s in a.shapes]):
-        return problem("shape after the first dimension",
-                       lambda a: ", ".join(str(_shape(s)) for s in a.shapes))
+        return problem("shape after the first dimension", lambda a: ", ".join(str(_shape(s)) for s in a.shapes))
     if kind in REDUCING_KINDS:
         if differs(lambda a: a.op):
             return problem("reduction op", lambda a: OP_NAMES.get(a.op, a.op))

@@ -20,6 +20,7 @@ by ``sparse_allreduce_async`` (an allgather of indices and values), or, with
 ``sparse_as_dense=True``, densified, allreduced and made sparse again; either
 way the parameter's gradient stays sparse for the optimizer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,28 +39,45 @@ from .reduce_ops import Average, resolve_op
 class _DistributedOptimizer(torch.optim.Optimizer):
     _is_trainbridge_distributed = True
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=Average,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False, process_set=global_process_set):
+    def __init__(
+        self,
+        params,
+        named_parameters,
+        compression,
+        backward_passes_per_step=1,
+        op=Average,
+        gradient_predivide_factor=1.0,
+        sparse_as_dense=False,
+        process_set=global_process_set,
+    ):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(self.param_groups)
-                                for j, v in enumerate(group["params"])]
+            named_parameters = [
+                (f"allreduce.noname.{i}.{j}", v)
+                for i, group in enumerate(self.param_groups)
+                for j, v in enumerate(group["params"])
+            ]
         if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
+            raise ValueError(
+                "named_parameters should be a sequence of tuples (name, parameter), "
+                "usually produced by model.named_parameters()."
+            )
         names = [name for name, _ in named_parameters]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
-            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                             f"{', '.join(duplicates)}")
+            raise ValueError(
+                f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+            )
         all_ids = {id(v) for group in self.param_groups for v in group["params"]}
         unnamed = all_ids - {id(v) for _, v in named_parameters}
         if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             f"Python object ids: {', '.join(str(i) for i in unnamed)}")
+            raise ValueError(
+                "named_parameters was specified, but one or more model parameters were not named. "
+                f"Python object ids: {', '.join(str(i) for i in unnamed)}"
+            )
 
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
@@ -99,14 +117,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _make_hook(self, p):
         def hook(_param):
             if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
-                raise AssertionError("Gradients were computed more than backward_passes_per_step times before "
-                                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                                     "locally.")
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally."
+                )
             self._allreduce_delay[p] -= 1
             handle, ctx = None, None
             if self._allreduce_delay[p] == 0:
                 handle, ctx = self._allreduce_grad_async(p)
             self._handles[p] = (handle, ctx)
+
         return hook
 
     def _allreduce_grad_async(self, p):
@@ -125,8 +146,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.op == Average:
             # Split the average around the sum; the engine adds the 1/size.
             prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self.process_set)
+        handle = allreduce_async_(
+            compressed,
+            name=name,
+            op=self.op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self.process_set,
+        )
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -164,25 +191,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                              "your code.", stacklevel=1)  # attributed here, as in horovod.torch
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                    "your code.",
+                    stacklevel=1,
+                )  # attributed here, as in horovod.torch
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                                 "a race condition.")
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                "a race condition."
+            )
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=global_process_set,
+):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over ``process_set``'s ranks.
 
     ``num_groups``/``groups`` are accepted for compatibility; the engine fuses
@@ -196,8 +237,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning, stacklevel=1)  # attributed here, as in horovod.torch
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=1,
+        )  # attributed here, as in horovod.torch
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, process_set)
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        sparse_as_dense,
+        process_set,
+    )

@@ -26,6 +26,7 @@ the job down; default and upper bound: the timeout; 0 means the timeout),
 group outlives ``shutdown()`` so that ``init()`` may be called again; it is
 destroyed at interpreter exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -62,8 +63,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     global _owns_default_group, _atexit_registered
     if comm not in (None, []):
-        raise NotImplementedError("hvd.init(comm=...) (MPI communicators) needs the real Horovod (start the job "
-                                  "with horovodrun --mpi); on the torch backend use hvd.init(process_sets=[...])")
+        raise NotImplementedError(
+            "hvd.init(comm=...) (MPI communicators) needs the real Horovod (start the job "
+            "with horovodrun --mpi); on the torch backend use hvd.init(process_sets=[...])"
+        )
     sets = static_sets(process_sets)
     if is_initialized():
         return
@@ -97,15 +100,32 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             dist.destroy_process_group(group)
         raise
     peers = [r for r, (lr, _, _) in enumerate(layouts) if lr == local_rank]
-    engine = Engine(rank, size, control, cuda_group,
-                    cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0,
-                    static_sets=[tuple(ps.ranks) for ps in sets], timeout=timeout,
-                    stall_shutdown_s=stall_shutdown)
+    engine = Engine(
+        rank,
+        size,
+        control,
+        cuda_group,
+        cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0,
+        static_sets=[tuple(ps.ranks) for ps in sets],
+        timeout=timeout,
+        stall_shutdown_s=stall_shutdown,
+    )
     for set_id, ps in enumerate(sets, start=1):
         ps.process_set_id = set_id
     global_process_set.ranks = list(range(size))
-    running_job.replace(Runtime(rank, size, local_rank, local_size, peers.index(rank), len(peers),
-                                len({ls for _, ls, _ in layouts}) == 1, engine, groups))
+    running_job.replace(
+        Runtime(
+            rank,
+            size,
+            local_rank,
+            local_size,
+            peers.index(rank),
+            len(peers),
+            len({ls for _, ls, _ in layouts}) == 1,
+            engine,
+            groups,
+        )
+    )
     if not _atexit_registered:
         atexit.register(_at_exit)
         _atexit_registered = True
@@ -169,8 +189,9 @@ def is_homogeneous() -> bool:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Horovod's timeline; not available on the torch backend (``NotImplementedError``: use ``torch.profiler``)."""
-    raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun); on the torch backend "
-                              "use torch.profiler")
+    raise NotImplementedError(
+        "the Horovod timeline needs the real Horovod (horovodrun); on the torch backend use torch.profiler"
+    )
 
 
 def stop_timeline() -> None:

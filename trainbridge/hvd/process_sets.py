@@ -21,6 +21,7 @@ the set's size and number unnamed operations per process and set. Root ranks
 The ids are Horovod's: 0 for the global set, then 1, 2, ... in the order the
 sets were registered; they are the same on every rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,10 @@ class ProcessSet:
         try:
             ranks = sorted(ranks_or_comm)
         except TypeError:
-            raise NotImplementedError("a ProcessSet built from an MPI communicator needs the real Horovod (start the "
-                                      "job with horovodrun --mpi); on the torch backend give the list of ranks"
-                                      ) from None
+            raise NotImplementedError(
+                "a ProcessSet built from an MPI communicator needs the real Horovod (start the "
+                "job with horovodrun --mpi); on the torch backend give the list of ranks"
+            ) from None
         if any(not isinstance(r, int) for r in ranks):
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.ranks = ranks
@@ -119,11 +121,15 @@ def check_static_sets(by_rank: Sequence[Sequence[Tuple[int, ...]]], size: int) -
     seen = {tuple(range(size))}
     for index, ranks in enumerate(by_rank[0]):
         if not ranks or any(not 0 <= r < size for r in ranks) or len(set(ranks)) != len(ranks):
-            raise ValueError(f"Horovod could not be initialized because process_sets entry number {index} "
-                             f"({list(ranks)}) is not a set of distinct ranks of this job of {size} processes")
+            raise ValueError(
+                f"Horovod could not be initialized because process_sets entry number {index} "
+                f"({list(ranks)}) is not a set of distinct ranks of this job of {size} processes"
+            )
         if ranks in seen:
-            raise ValueError(f"Horovod could not be initialized because process_sets entry number {index} is a "
-                             f"duplicate: ProcessSet(ranks={list(ranks)})")
+            raise ValueError(
+                f"Horovod could not be initialized because process_sets entry number {index} is a "
+                f"duplicate: ProcessSet(ranks={list(ranks)})"
+            )
         seen.add(ranks)
 
 
@@ -133,9 +139,11 @@ def set_ranks(process_set: Any, rank: int) -> Tuple[int, Tuple[int, ...]]:
         raise ValueError(f"process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     registered, set_id = runtime().engine.process_sets, process_set.process_set_id
     if set_id is None or set_id not in registered:
-        raise UnregisteredProcessSetError(f"{process_set} is not registered: pass it to "
-                                          f"hvd.init(process_sets=[...]) or hvd.add_process_set() first "
-                                          f"(or it was removed)")
+        raise UnregisteredProcessSetError(
+            f"{process_set} is not registered: pass it to "
+            f"hvd.init(process_sets=[...]) or hvd.add_process_set() first "
+            f"(or it was removed)"
+        )
     ranks = registered[set_id]
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not a member of the provided process set {list(ranks)}")
@@ -148,12 +156,15 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     if not dynamic_enabled():
-        raise ValueError("hvd.add_process_set() needs dynamic process sets: call hvd.init(process_sets='dynamic') "
-                         f"or set {DYNAMIC_VARIABLE}=1")
+        raise ValueError(
+            "hvd.add_process_set() needs dynamic process sets: call hvd.init(process_sets='dynamic') "
+            f"or set {DYNAMIC_VARIABLE}=1"
+        )
     ranks = tuple(process_set.ranks)
     if not ranks or any(not 0 <= r < engine.size for r in ranks) or len(set(ranks)) != len(ranks):
-        raise ValueError(f"hvd.add_process_set({list(ranks)}): ranks must be distinct ranks of this job of "
-                         f"{engine.size} processes")
+        raise ValueError(
+            f"hvd.add_process_set({list(ranks)}): ranks must be distinct ranks of this job of {engine.size} processes"
+        )
     process_set_id = engine.add_process_set(ranks).wait()
     if process_set_id is None:
         raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
@@ -168,7 +179,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set_id is None or process_set_id == 0:
         return False
     if not dynamic_enabled():
-        raise ValueError("hvd.remove_process_set() needs dynamic process sets: call "
-                         f"hvd.init(process_sets='dynamic') or set {DYNAMIC_VARIABLE}=1")
+        raise ValueError(
+            "hvd.remove_process_set() needs dynamic process sets: call "
+            f"hvd.init(process_sets='dynamic') or set {DYNAMIC_VARIABLE}=1"
+        )
     process_set._invalidate()
     return bool(engine.remove_process_set(process_set_id).wait())

@@ -3,6 +3,7 @@
 The op values are Horovod's own integers (Average=0 ... Product=5), so code that
 stores or compares them keeps working after the one-line migration.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,8 +25,13 @@ Product = 5
 
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 # Average is Sum followed by a 1/size post-scale (see engine.py).
-TORCH_REDUCE_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
-                    Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+TORCH_REDUCE_OPS = {
+    Average: dist.ReduceOp.SUM,
+    Sum: dist.ReduceOp.SUM,
+    Min: dist.ReduceOp.MIN,
+    Max: dist.ReduceOp.MAX,
+    Product: dist.ReduceOp.PRODUCT,
+}
 
 
 class HorovodInternalError(RuntimeError):
@@ -56,9 +62,19 @@ class UnregisteredProcessSetError(ValueError, TypeError):
 
 
 # Types a rank's rejected input may raise; its peers raise the same type (see negotiation.decide).
-REJECTION_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, NotImplementedError, ScalarInputError,
-                                                 TensorMismatchError, HorovodInternalError, UnsupportedOpError,
-                                                 UnregisteredProcessSetError)}
+REJECTION_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        NotImplementedError,
+        ScalarInputError,
+        TensorMismatchError,
+        HorovodInternalError,
+        UnsupportedOpError,
+        UnregisteredProcessSetError,
+    )
+}
 
 
 def rejection_error(error_type: str, message: str) -> Exception:
@@ -76,10 +92,12 @@ def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
         raise NotImplementedError(
             "hvd.Adasum needs the real Horovod: it is only available when the job is started with horovodrun "
             "(trainbridge.hvd then delegates to horovod.torch). Under torchrun, mpirun or plain python use "
-            "op=hvd.Average (the default) or hvd.Sum")
+            "op=hvd.Average (the default) or hvd.Sum"
+        )
     if op not in TORCH_REDUCE_OPS:
-        raise UnsupportedOpError(f"Reduction op type not supported: {op!r}; use hvd.Average, hvd.Sum, hvd.Min, "
-                                 f"hvd.Max or hvd.Product")
+        raise UnsupportedOpError(
+            f"Reduction op type not supported: {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product"
+        )
     return op
 
 
@@ -87,6 +105,5 @@ def resolve_reducescatter_op(op: Optional[int]) -> int:
     """Reducescatter's ops, as Horovod 0.28.1 allows them: Average (the default) and Sum."""
     op = Average if op is None else op
     if op not in (Average, Sum):
-        raise UnsupportedOpError(f"Reducescatter currently only supports AVERAGE and SUM (got "
-                                 f"{OP_NAMES.get(op, op)})")
+        raise UnsupportedOpError(f"Reducescatter currently only supports AVERAGE and SUM (got {OP_NAMES.get(op, op)})")
     return op

@@ -3,6 +3,7 @@
 Its own module so that :mod:`.process` (which sets it) and :mod:`.process_sets` (which
 reads it, and which init uses) do not import each other.
 """
+
 from __future__ import annotations
 
 import dataclasses

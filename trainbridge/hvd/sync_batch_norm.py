@@ -8,6 +8,7 @@ backward pass as Horovod's hand-written one: input gradients include every
 rank's contribution through the shared statistics, weight and bias gradients
 stay local (DistributedOptimizer averages them).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ from .reduce_ops import Sum
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over N-D input (N, C, ...) whose statistics span all ranks in training mode."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True,
-                 track_running_stats: bool = True) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:

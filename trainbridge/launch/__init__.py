@@ -10,6 +10,7 @@ Detection order (first match wins):
 5. ``env_vars``     -- WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT set by hand (env://: Kubeflow, scripts).
 6. plain python     -- one process.
 """
+
 from __future__ import annotations
 
 import os

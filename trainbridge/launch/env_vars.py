@@ -6,6 +6,7 @@ alone as a one-process job and train its own model. LOCAL_RANK and
 LOCAL_WORLD_SIZE are read when given; otherwise each process is taken to be
 alone on its host (one process per pod or node).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -20,9 +21,11 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
     missing = [name for name in REQUIRED if not environ.get(name)]
     if missing and (read_int(environ, "WORLD_SIZE", default=1) or 1) > 1:
         # Half of the contract: each process would otherwise run alone and train its own model.
-        raise UserError(f"WORLD_SIZE={environ['WORLD_SIZE']} is set but {', '.join(missing)} "
-                        f"{'is' if len(missing) == 1 else 'are'} not: set all of {', '.join(REQUIRED)} for env:// "
-                        f"(or start with torchrun, mpirun, horovodrun or srun), or unset WORLD_SIZE for one process")
+        raise UserError(
+            f"WORLD_SIZE={environ['WORLD_SIZE']} is set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: set all of {', '.join(REQUIRED)} for env:// "
+            f"(or start with torchrun, mpirun, horovodrun or srun), or unset WORLD_SIZE for one process"
+        )
     if missing:
         return None
     return LaunchEnv(

@@ -5,6 +5,7 @@ spawner) is one small module in this package exposing ``detect(environ)``, which
 returns a :class:`LaunchEnv` or ``None``. Detection only *reads* the environment;
 it never initialises a collective library.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,9 @@ def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = N
             try:
                 return int(value)
             except ValueError:
-                raise UserError(f"the environment variable {name}={value!r} is not a whole number; set it to "
-                                f"one (or unset it)") from None
+                raise UserError(
+                    f"the environment variable {name}={value!r} is not a whole number; set it to one (or unset it)"
+                ) from None
     return default
 
 
@@ -54,8 +56,10 @@ def required_int(environ: Mapping[str, str], name: str) -> int:
     """``name``, which the launcher sets, as an int; one line if it is empty or not a number."""
     value = read_int(environ, name)
     if value is None:
-        raise UserError(f"the environment variable {name} is empty; the launcher sets it: start the job with "
-                        f"the launcher again (or unset it)")
+        raise UserError(
+            f"the environment variable {name} is empty; the launcher sets it: start the job with "
+            f"the launcher again (or unset it)"
+        )
     return value
 
 

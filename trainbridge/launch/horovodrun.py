@@ -5,6 +5,7 @@ HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK and the address of it
 rendezvous key-value server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT). In MPI mode it
 runs mpirun instead, and :mod:`trainbridge.launch.mpi` recognises the workers.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional

@@ -18,6 +18,7 @@ place every launcher (torchrun, horovodrun, mpirun, srun, python) lets us reach.
 A user who chose their own allocator settings (those variables, ``GLIBC_TUNABLES``
 for malloc, or a preloaded jemalloc/tcmalloc/mimalloc) keeps them.
 """
+
 from __future__ import annotations
 
 import ctypes

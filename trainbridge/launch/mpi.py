@@ -4,6 +4,7 @@ This also covers ``horovodrun --mpi``, which runs mpirun underneath. MPI gives n
 rendezvous address for torch.distributed; the torch backend agrees on one
 through mpi4py (see :mod:`trainbridge.launch.rendezvous`).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional

@@ -8,6 +8,7 @@ route to the rendezvous address, which is what ``GLOO_SOCKET_IFNAME`` would name
 These functions only read the host's configuration; ``trainbridge doctor --hosts``
 reports with them too.
 """
+
 from __future__ import annotations
 
 import ipaddress

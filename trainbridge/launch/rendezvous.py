@@ -16,6 +16,7 @@ to loopback, and a failed connection is one line with the fix. Every wait here
 is bounded by ``timeout``; ``trainbridge.init`` also arms a start-up watchdog.
 torch is imported inside the functions that use it, so launcher detection stays light.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -56,8 +57,11 @@ def own_address(env: LaunchEnv, environ=None) -> str:
 
 
 def share_over_mpi(env: LaunchEnv) -> Tuple[str, int]:
-    MPI = require("mpi4py.MPI", "torch.distributed under mpirun (rank 0 shares the rendezvous address over MPI)",
-                  instead="or export MASTER_ADDR and MASTER_PORT to every rank (mpirun -x)")
+    MPI = require(
+        "mpi4py.MPI",
+        "torch.distributed under mpirun (rank 0 shares the rendezvous address over MPI)",
+        instead="or export MASTER_ADDR and MASTER_PORT to every rank (mpirun -x)",
+    )
     choice = (own_address(env), free_port()) if env.rank == 0 else None
     return MPI.COMM_WORLD.bcast(choice, root=0)
 
@@ -88,8 +92,10 @@ def share_over_horovodrun(env: LaunchEnv, environ, timeout: float) -> Tuple[str,
             return tuple(read_data_from_kvstore(*server, scope, key))
         except RuntimeError as exc:
             if time.monotonic() > deadline:
-                raise UserError(f"rank 0 did not publish a torch rendezvous address on horovodrun's server "
-                                f"{server[0]}:{server[1]} within {timeout:.0f}s") from exc
+                raise UserError(
+                    f"rank 0 did not publish a torch rendezvous address on horovodrun's server "
+                    f"{server[0]}:{server[1]} within {timeout:.0f}s"
+                ) from exc
             time.sleep(0.1)
 
 
@@ -110,8 +116,7 @@ def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> 
         return share_over_mpi(env)
     if env.launcher == "horovodrun" and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
         return share_over_horovodrun(env, environ, timeout)
-    raise UserError(f"{env.launcher} gave no MASTER_ADDR/MASTER_PORT for torch.distributed; "
-                    f"export both on every rank")
+    raise UserError(f"{env.launcher} gave no MASTER_ADDR/MASTER_PORT for torch.distributed; export both on every rank")
 
 
 def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
@@ -124,15 +129,24 @@ def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        store = dist.TCPStore(addr, port, is_master=env.rank == 0 and not agent_store,
-                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        store = dist.TCPStore(
+            addr,
+            port,
+            is_master=env.rank == 0 and not agent_store,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
         return dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     except Exception as exc:  # noqa: BLE001 - torch raises several types here
         if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise UserError(f"rank 0 cannot serve the rendezvous on port {port} of {addr}: another program holds it "
-                            f"({first_line(exc)}); choose a free MASTER_PORT") from None
-        raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {timeout:.0f}s: "
-                        f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running") from None
+            raise UserError(
+                f"rank 0 cannot serve the rendezvous on port {port} of {addr}: another program holds it "
+                f"({first_line(exc)}); choose a free MASTER_PORT"
+            ) from None
+        raise UserError(
+            f"cannot reach the rendezvous at {addr}:{port} within {timeout:.0f}s: "
+            f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running"
+        ) from None
 
 
 def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
@@ -144,22 +158,28 @@ def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
     """
     rank, world_size = env.rank, env.world_size
     store.set(f"trainbridge/world_size/{rank}", str(world_size))
-    for other in (range(1, world_size) if rank == 0 else [0]):
+    for other in range(1, world_size) if rank == 0 else [0]:
         started = time.monotonic()
         try:
             theirs = int(store.get(f"trainbridge/world_size/{other}"))
         except Exception as exc:  # noqa: BLE001
             if time.monotonic() - started < timeout:  # the store went away: rank 0 failed
-                raise UserError(f"rank {rank} lost the rendezvous store on rank 0 before the job "
-                                f"started; rank 0 failed: see its error") from None
-            raise UserError(f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
-                            f"expecting {world_size} processes); check that every rank was started") from exc
+                raise UserError(
+                    f"rank {rank} lost the rendezvous store on rank 0 before the job "
+                    f"started; rank 0 failed: see its error"
+                ) from None
+            raise UserError(
+                f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
+                f"expecting {world_size} processes); check that every rank was started"
+            ) from exc
         if theirs != world_size:
             if rank == 0:
                 time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
-            raise UserError(f"ranks disagree on the world size: rank {rank} was launched with "
-                            f"{world_size} processes, rank {other} with {theirs}; "
-                            f"launch every rank with the same WORLD_SIZE")
+            raise UserError(
+                f"ranks disagree on the world size: rank {rank} was launched with "
+                f"{world_size} processes, rank {other} with {theirs}; "
+                f"launch every rank with the same WORLD_SIZE"
+            )
 
 
 def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
@@ -172,8 +192,13 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
     store = open_store(env, timeout, addr, port)
     agree_on_world_size(store, env, timeout)
     try:
-        dist.init_process_group(pg_backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            pg_backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
     except (RuntimeError, dist.DistError) as exc:
         # gloo's connectFullMesh: a peer advertised an address this rank cannot reach.
         # The peers still waiting end through the start-up watchdog (--timeout + 5 s).
@@ -183,9 +208,12 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
 def connect_failure(env: LaunchEnv, pg_backend: str, exc: BaseException) -> str:
     """One line for a process group whose ranks could not connect to each other, with the fix."""
     text = first_line(exc)
-    fix = ("set GLOO_SOCKET_IFNAME to the interface that links the hosts, or map each host name to its "
-           "network address in /etc/hosts (`trainbridge doctor --hosts` checks both)"
-           if pg_backend == "gloo" else "set NCCL_SOCKET_IFNAME to the interface that links the hosts")
+    fix = (
+        "set GLOO_SOCKET_IFNAME to the interface that links the hosts, or map each host name to its "
+        "network address in /etc/hosts (`trainbridge doctor --hosts` checks both)"
+        if pg_backend == "gloo"
+        else "set NCCL_SOCKET_IFNAME to the interface that links the hosts"
+    )
     where = ""
     if env.local_size < env.world_size and "127.0." in text:
         where = "a peer on another host advertised a loopback address; "
@@ -213,14 +241,20 @@ def choose_gloo_interface(env: LaunchEnv, rendezvous_addr: str, environ=None) ->
     if interface is None and resolves_only_to_loopback(rendezvous_addr):
         interface = interface_of(first_external_address() or "")
     if interface is None:
-        raise UserError(f"host name {host!r} {names_loopback(addresses)} and no "
-                        f"interface of this host routes to the rendezvous address {rendezvous_addr}, so ranks on "
-                        f"other hosts cannot connect; set GLOO_SOCKET_IFNAME to the interface that reaches them, "
-                        f"or map {host!r} to its network address in /etc/hosts")
+        raise UserError(
+            f"host name {host!r} {names_loopback(addresses)} and no "
+            f"interface of this host routes to the rendezvous address {rendezvous_addr}, so ranks on "
+            f"other hosts cannot connect; set GLOO_SOCKET_IFNAME to the interface that reaches them, "
+            f"or map {host!r} to its network address in /etc/hosts"
+        )
     environ["GLOO_SOCKET_IFNAME"] = interface
     if env.local_rank == 0:
-        print(f"[trainbridge] host name {host!r} {names_loopback(addresses)}; gloo uses {interface}, the interface "
-              f"towards {rendezvous_addr} (set GLOO_SOCKET_IFNAME to choose another)", file=sys.stderr, flush=True)
+        print(
+            f"[trainbridge] host name {host!r} {names_loopback(addresses)}; gloo uses {interface}, the interface "
+            f"towards {rendezvous_addr} (set GLOO_SOCKET_IFNAME to choose another)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def names_loopback(addresses) -> str:

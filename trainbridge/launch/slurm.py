@@ -5,6 +5,7 @@ step, SLURM_STEP_ID. A bare ``sbatch`` script has SLURM_JOB_ID but no step
 tasks, so it is *not* treated as a multi-process launch. The rendezvous address
 is MASTER_ADDR when set, else the first host of the step's node list.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,8 +43,9 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         rank=required_int(environ, "SLURM_PROCID"),
         world_size=read_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1),
         local_rank=read_int(environ, "SLURM_LOCALID", default=0),
-        local_size=tasks_on_first_node(environ.get("SLURM_STEP_TASKS_PER_NODE")
-                                       or environ.get("SLURM_NTASKS_PER_NODE") or "1"),
+        local_size=tasks_on_first_node(
+            environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE") or "1"
+        ),
         node_rank=read_int(environ, "SLURM_NODEID", default=0),
         master_addr=environ.get("MASTER_ADDR") or first_host(nodelist),
         # A port derived from the job id keeps concurrent jobs on one node apart.

@@ -6,6 +6,7 @@ WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT)
 plus TRAINBRIDGE_SPAWNED=1, so launcher detection reports "spawn". If any
 worker fails, the others are terminated and the parent exits with its code.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,18 @@ STOP_GRACE_SECONDS = 60.0  # after Ctrl-C: time for a stop checkpoint before the
 
 
 def _worker(local_rank: int, nproc: int, port: int, target: Callable[[], int]) -> None:
-    os.environ.update({
-        "TRAINBRIDGE_SPAWNED": "1", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "TRAINBRIDGE_SPAWNED": "1",
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     code = target()
     if code:
         raise SystemExit(code)
@@ -39,8 +47,9 @@ def spawn_workers(nproc: int, target: Callable[[], int]) -> int:
     # SIGTERM that the job's stop agreement answers, so each worker leaves in order, once.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        context = mp.start_processes(_worker, args=(nproc, free_port(), target), nprocs=nproc, join=False,
-                                     start_method="spawn")
+        context = mp.start_processes(
+            _worker, args=(nproc, free_port(), target), nprocs=nproc, join=False, start_method="spawn"
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
@@ -52,15 +61,23 @@ def spawn_workers(nproc: int, target: Callable[[], int]) -> int:
         return exc.exit_code or 1
     except mp.ProcessRaisedException as exc:  # a bug, not bad input (that is one line, from the worker)
         trace = str(exc).strip().splitlines()
-        print(f"trainbridge: error: spawned worker {exc.error_index} failed: {trace[-1]}; its traceback:",
-              *trace[1:], sep="\n", file=sys.stderr)
+        print(
+            f"trainbridge: error: spawned worker {exc.error_index} failed: {trace[-1]}; its traceback:",
+            *trace[1:],
+            sep="\n",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def _stop_workers(processes: Sequence[mp.Process]) -> int:
-    print(f"trainbridge: interrupted: stopping the {len(processes)} workers (a loop that calls job.should_stop() "
-          f"saves its stop checkpoint first; Ctrl-C again kills them)", file=sys.stderr, flush=True)
+    print(
+        f"trainbridge: interrupted: stopping the {len(processes)} workers (a loop that calls job.should_stop() "
+        f"saves its stop checkpoint first; Ctrl-C again kills them)",
+        file=sys.stderr,
+        flush=True,
+    )
     for process in processes:
         if process.is_alive():
             process.terminate()

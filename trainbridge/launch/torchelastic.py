@@ -5,6 +5,7 @@ MASTER_ADDR, MASTER_PORT and TORCHELASTIC_RUN_ID. Our own spawner
 (:mod:`trainbridge.launch.spawn`) exports the same names plus
 ``TRAINBRIDGE_SPAWNED=1`` so that it is reported as "spawn".
 """
+
 from __future__ import annotations
 
 import json
@@ -39,5 +40,12 @@ def record_error(message: str, environ: Mapping[str, str] = os.environ) -> None:
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                      "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                    }
+                },
+                f,
+            )

@@ -3,6 +3,7 @@
 Both registries have the one shape of :mod:`trainbridge.plugins`,
 ``name -> "module:function"``, imported on use (torchvision is slow to import).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional

@@ -13,6 +13,7 @@ Weights, in order of precedence:
 
 torchvision is imported inside functions: ``--help`` and MNIST runs stay fast.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,9 +51,11 @@ def ensure_imagenet_weights() -> str:
     try:
         torch.hub.load_state_dict_from_url(imagenet_weights_url(), progress=False, check_hash=True)
     except Exception as exc:  # noqa: BLE001 - URLError, HTTPError, OSError, RuntimeError (hash)
-        raise UserError(f"no ImageNet weights for resnet34 in {path} and the download failed ({first_line(exc)}); "
-                        f"pass --no-pretrained to train from scratch, or --pretrained-weights PATH "
-                        f"to a resnet34 state_dict file") from None
+        raise UserError(
+            f"no ImageNet weights for resnet34 in {path} and the download failed ({first_line(exc)}); "
+            f"pass --no-pretrained to train from scratch, or --pretrained-weights PATH "
+            f"to a resnet34 state_dict file"
+        ) from None
     finally:
         socket.setdefaulttimeout(previous)
     return path
@@ -61,13 +64,16 @@ def ensure_imagenet_weights() -> str:
 def load_backbone_state(path: str) -> Dict[str, torch.Tensor]:
     """The backbone tensors of a resnet34 state_dict file (plain, or a checkpoint dict with ``model``)."""
     if not os.path.isfile(path):
-        raise UserError(f"--pretrained-weights {path} does not exist; give a resnet34 state_dict file "
-                        f"or use --no-pretrained")
+        raise UserError(
+            f"--pretrained-weights {path} does not exist; give a resnet34 state_dict file or use --no-pretrained"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"cannot load --pretrained-weights {path} ({first_line(exc)}); "
-                        f"give a resnet34 state_dict saved with torch.save") from None
+        raise UserError(
+            f"cannot load --pretrained-weights {path} ({first_line(exc)}); "
+            f"give a resnet34 state_dict saved with torch.save"
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict):
@@ -115,9 +121,11 @@ def resnet34_classifier(num_classes: int, weights_path: Optional[str] = None) ->
         missing, unexpected = model.load_state_dict(backbone, strict=False)
         missing = [k for k in missing if not k.startswith(HEAD_PREFIX)]
         if missing or unexpected:
-            raise UserError(f"{weights_path} is not a resnet34 state_dict: {len(missing)} backbone tensors missing "
-                            f"(e.g. {(missing or ['-'])[0]}), {len(unexpected)} unexpected "
-                            f"(e.g. {(unexpected or ['-'])[0]})")
+            raise UserError(
+                f"{weights_path} is not a resnet34 state_dict: {len(missing)} backbone tensors missing "
+                f"(e.g. {(missing or ['-'])[0]}), {len(unexpected)} unexpected "
+                f"(e.g. {(unexpected or ['-'])[0]})"
+            )
     return model
 
 

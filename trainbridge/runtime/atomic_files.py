@@ -12,6 +12,7 @@ was and raises the error as it is (an ``OSError`` for a full disk, not torch's o
 Used by the public API's checkpoints (:mod:`trainbridge.api.files`, which turns errors into
 one line naming the fix) and by ``hvd.elastic``'s commit file.
 """
+
 from __future__ import annotations
 
 import glob

@@ -6,6 +6,7 @@ watchdog. The public API takes it as ``tb.init(timeout=...)`` (``trainbridge tra
 from ``TRAINBRIDGE_HVD_TIMEOUT``. Both default to :data:`DEFAULT_TIMEOUT_S` and refuse a
 value that is not a positive number of seconds with one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,8 @@ def timeout_from_environ(environ: Optional[Mapping[str, str]] = None) -> float:
     try:
         seconds = float(text)
     except ValueError:
-        raise UserError(f"{HVD_TIMEOUT_VARIABLE}={text!r} is not a number of seconds; set it to the seconds a "
-                        f"rank may wait for the others (default {DEFAULT_TIMEOUT_S:g}) or unset it") from None
+        raise UserError(
+            f"{HVD_TIMEOUT_VARIABLE}={text!r} is not a number of seconds; set it to the seconds a "
+            f"rank may wait for the others (default {DEFAULT_TIMEOUT_S:g}) or unset it"
+        ) from None
     return check_timeout(seconds, f"{HVD_TIMEOUT_VARIABLE}={text}")

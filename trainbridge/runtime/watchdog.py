@@ -12,6 +12,7 @@ Both watchdogs of trainbridge run on it; each decides what a wait too long means
 The thread is a daemon: it never keeps the process alive, and it ends with :meth:`stop`
 or once ``alive()`` turns false (the hvd engine's own thread ended).
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,8 +22,9 @@ from typing import Callable
 class WatchdogThread:
     """Calls ``check()`` every ``period`` seconds on a daemon thread ``name``, until :meth:`stop` or not ``alive()``."""
 
-    def __init__(self, check: Callable[[], None], period: float, name: str,
-                 alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self, check: Callable[[], None], period: float, name: str, alive: Callable[[], bool] = lambda: True
+    ) -> None:
         self.period = period
         self._check, self._alive = check, alive
         self._stopped = threading.Event()

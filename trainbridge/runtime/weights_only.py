@@ -4,6 +4,7 @@ Every file trainbridge writes for itself to read later (checkpoints, ``hvd.elast
 commit file) is read with ``weights_only=True``; a value that loader refuses is named
 when the file is written, not when a resume fails.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -19,12 +20,16 @@ PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, t
 def _loadable_globals() -> set:
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
+
         allowed = set(_get_allowed_globals())
     except (ImportError, AttributeError):  # another torch: trust torch.save's own checks
         return set()
     # Entries given as (function, name) pairs are left out.
-    return allowed | {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
-                      if not isinstance(g, tuple) and hasattr(g, "__qualname__")}
+    return allowed | {
+        f"{g.__module__}.{g.__qualname__}"
+        for g in torch.serialization.get_safe_globals()
+        if not isinstance(g, tuple) and hasattr(g, "__qualname__")
+    }
 
 
 def unloadable_value(obj: Any, where: str = "") -> Optional[str]:

@@ -6,6 +6,7 @@ the command line, ``--task mypkg.tasks:MyTask`` or ``--task ./my_task.py:MyTask`
 (see ``examples/own_task.py``). Tasks hand over map-style datasets and never see
 ranks: trainbridge shards, shuffles and batches them.
 """
+
 from __future__ import annotations
 
 import abc

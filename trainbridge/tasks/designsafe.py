@@ -9,6 +9,7 @@ Defaults (the tutorial's): resnet34 with a Linear(512, 512) -> ReLU ->
 Linear(512, classes) head, CrossEntropy with label smoothing 0.1, Adam at 1e-4,
 ReduceLROnPlateau on the (globally reduced) validation loss.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,22 +37,32 @@ LABEL_SMOOTHING = 0.1
 class ImageFolderOptions:
     """The options of a ResNet on an image folder (transfer learning), ``--task designsafe``'s own."""
 
-    image_size: int = option(224, same_on_resume=True,
-                             help=f"images are resized to SIZE x SIZE pixels (default: {{default}}; at least "
-                                  f"{MIN_IMAGE_SIZE})",
-                             check=at_least(MIN_IMAGE_SIZE, why=": ResNet downsamples by 32, smaller images leave "
-                                                                "nothing to classify"))
-    no_pretrained: bool = option(False, same_on_resume=True,
-                                 help="random initial weights instead of ImageNet's (no download, no normalisation)")
-    pretrained_weights: Optional[str] = option(None, metavar="PATH", same_on_resume=True,
-                                               help="backbone weights from a resnet34 state_dict file (default: "
-                                                    "torchvision's ImageNet weights, from its cache or downloaded)")
-    freeze_backbone: bool = option(False, same_on_resume=True,
-                                   help="train only the new head; the backbone (BatchNorm statistics included) stays "
-                                        "fixed")
-    workers: Optional[int] = option(None, check=at_least(0),
-                                    help="DataLoader worker processes per rank (default: available cores / local "
-                                         "processes)")
+    image_size: int = option(
+        224,
+        same_on_resume=True,
+        help=f"images are resized to SIZE x SIZE pixels (default: {{default}}; at least {MIN_IMAGE_SIZE})",
+        check=at_least(MIN_IMAGE_SIZE, why=": ResNet downsamples by 32, smaller images leave nothing to classify"),
+    )
+    no_pretrained: bool = option(
+        False, same_on_resume=True, help="random initial weights instead of ImageNet's (no download, no normalisation)"
+    )
+    pretrained_weights: Optional[str] = option(
+        None,
+        metavar="PATH",
+        same_on_resume=True,
+        help="backbone weights from a resnet34 state_dict file (default: "
+        "torchvision's ImageNet weights, from its cache or downloaded)",
+    )
+    freeze_backbone: bool = option(
+        False,
+        same_on_resume=True,
+        help="train only the new head; the backbone (BatchNorm statistics included) stays fixed",
+    )
+    workers: Optional[int] = option(
+        None,
+        check=at_least(0),
+        help="DataLoader worker processes per rank (default: available cores / local processes)",
+    )
 
 
 class DesignSafeTask(Task):
@@ -74,15 +85,20 @@ class DesignSafeTask(Task):
         if self.options.no_pretrained and self.options.pretrained_weights:
             raise UserError("--no-pretrained and --pretrained-weights contradict each other; give one")
         if cfg.data_root is None:
-            raise UserError("--task designsafe needs --data-root DIR, a folder with Train/<class>/ and "
-                            "Validation/<class>/ (and optionally Test/<class>/); for a synthetic one run "
-                            "`trainbridge data make-sample designsafe --out DIR`")
+            raise UserError(
+                "--task designsafe needs --data-root DIR, a folder with Train/<class>/ and "
+                "Validation/<class>/ (and optionally Test/<class>/); for a synthetic one run "
+                "`trainbridge data make-sample designsafe --out DIR`"
+            )
         if cfg.dataset != "auto":
-            raise UserError(f"--dataset {cfg.dataset} is for --task mnist; --task designsafe reads the image "
-                            f"folder at --data-root (leave --dataset at auto)")
+            raise UserError(
+                f"--dataset {cfg.dataset} is for --task mnist; --task designsafe reads the image "
+                f"folder at --data-root (leave --dataset at auto)"
+            )
         if cfg.model is not None and cfg.model not in CLASSIFIERS:
-            raise UserError(f"--task designsafe trains an image classifier ({', '.join(CLASSIFIERS)}), "
-                            f"not --model {cfg.model}")
+            raise UserError(
+                f"--task designsafe trains an image classifier ({', '.join(CLASSIFIERS)}), not --model {cfg.model}"
+            )
         check_installed(["torchvision", "PIL"], "--task designsafe (ResNet34 on an image folder)")
         check_layout(cfg.data_root)
 
@@ -101,20 +117,27 @@ class DesignSafeTask(Task):
             weights = f"ImageNet backbone from {self.weights_path}"
         else:
             weights = "random initialisation (--no-pretrained)"
-        self.datasets = {split: load_split(folder, build_transforms(options.image_size, train=split == "train",
-                                                                    imagenet_normalise=pretrained))
-                         for split, folder in splits.items()}
+        self.datasets = {
+            split: load_split(
+                folder, build_transforms(options.image_size, train=split == "train", imagenet_normalise=pretrained)
+            )
+            for split, folder in splits.items()
+        }
         self.classes = list(self.datasets["train"].classes)
         # Cores per rank, as for the intra-op threads: this host's processes share them.
         self.workers = options.workers if options.workers is not None else auto_workers(self.processes_on_host)
         sizes = " / ".join(f"{len(d)} {split}" for split, d in self.datasets.items())
         synthetic = is_synthetic_sample(cfg.data_root)
         if synthetic:
-            note(f"[trainbridge] {cfg.data_root} is a SYNTHETIC sample (drawn pictures, not DesignSafe photos): "
-                 f"its accuracy says nothing about real data")
-        return (f"{'SYNTHETIC ' if synthetic else ''}image folder {cfg.data_root}: {sizes} images, classes "
-                f"{', '.join(self.classes)}; {cfg.model} at {options.image_size}px, {weights}"
-                f"{', backbone frozen' if options.freeze_backbone else ''}; {self.workers} loader workers per rank")
+            note(
+                f"[trainbridge] {cfg.data_root} is a SYNTHETIC sample (drawn pictures, not DesignSafe photos): "
+                f"its accuracy says nothing about real data"
+            )
+        return (
+            f"{'SYNTHETIC ' if synthetic else ''}image folder {cfg.data_root}: {sizes} images, classes "
+            f"{', '.join(self.classes)}; {cfg.model} at {options.image_size}px, {weights}"
+            f"{', backbone frozen' if options.freeze_backbone else ''}; {self.workers} loader workers per rank"
+        )
 
     @property
     def class_names(self) -> List[str]:

@@ -1,4 +1,5 @@
 """MNIST digits, held in memory and gathered by index (see :mod:`trainbridge.data.mnist`)."""
+
 from __future__ import annotations
 
 from typing import List, Optional

@@ -14,6 +14,7 @@ are all read from the declarations (:func:`add_to_parser`, :func:`check_values`,
 A field's type is ``int``, ``float``, ``str``, ``bool`` (a switch, off by default) or any class built
 from one string (``pathlib.Path``), each possibly ``Optional[...]`` (None: not given).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,17 @@ class Option:
     group: Optional[str] = None
 
 
-def option(default: Any, help: Optional[str] = None, *, flag: Optional[str] = None,  # noqa: A002 - argparse's word
-           choices: Optional[Sequence[str]] = None, metavar: Optional[str] = None, check: Optional[Check] = None,
-           same_on_resume: bool = False, group: Optional[str] = None) -> Any:
+def option(
+    default: Any,
+    help: Optional[str] = None,
+    *,
+    flag: Optional[str] = None,  # noqa: A002 - argparse's word
+    choices: Optional[Sequence[str]] = None,
+    metavar: Optional[str] = None,
+    check: Optional[Check] = None,
+    same_on_resume: bool = False,
+    group: Optional[str] = None,
+) -> Any:
     """A dataclass field that is a command-line option.
 
     ``help`` may name its default as ``{default}``; ``flag`` defaults to ``--the-field-name``;
@@ -72,8 +81,9 @@ def option(default: Any, help: Optional[str] = None, *, flag: Optional[str] = No
     option changes what training computes, so a resume with another value is refused (unless
     ``--allow-option-changes``); ``group`` titles a section of ``--help``.
     """
-    declared = Option(help, flag, tuple(choices) if choices is not None else None, metavar, check, same_on_resume,
-                      group)
+    declared = Option(
+        help, flag, tuple(choices) if choices is not None else None, metavar, check, same_on_resume, group
+    )
     return dataclasses.field(default=default, metadata={"option": declared})
 
 
@@ -112,8 +122,13 @@ def value_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_to_parser(parser: argparse.ArgumentParser, options_class: type, title: Optional[str] = None,
-                  suppress_defaults: bool = False, skip: Sequence[str] = ()) -> List[str]:
+def add_to_parser(
+    parser: argparse.ArgumentParser,
+    options_class: type,
+    title: Optional[str] = None,
+    suppress_defaults: bool = False,
+    skip: Sequence[str] = (),
+) -> List[str]:
     """Add ``options_class``'s declared options to ``parser`` (in a group titled ``title``, or each in its
     declaration's ``group``); returns their field names. ``suppress_defaults``: an option not given is left out
     of the parsed namespace. Flags in ``skip`` are left out."""
@@ -127,8 +142,11 @@ def add_to_parser(parser: argparse.ArgumentParser, options_class: type, title: O
         default = field.default
         kind = value_type(hints[field.name])
         text = declaration.help.replace("{default}", shown(default)) if declaration.help else declaration.help
-        settings: Dict[str, Any] = {"dest": field.name, "help": text,
-                                    "default": argparse.SUPPRESS if suppress_defaults else default}
+        settings: Dict[str, Any] = {
+            "dest": field.name,
+            "help": text,
+            "default": argparse.SUPPRESS if suppress_defaults else default,
+        }
         if kind is bool:
             settings["action"] = argparse.BooleanOptionalAction if default else "store_true"
         else:

@@ -24,6 +24,7 @@ during the write leaves the old file intact. On top of that, the engine's contra
   it stops at once instead. The kernel drops the lock when the process ends, however
   it ends, so a crashed job never blocks the next.
 """
+
 from __future__ import annotations
 
 import errno
@@ -63,8 +64,9 @@ def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
         os.makedirs(directory, exist_ok=True)
         lock = open(path, "a+")
     except OSError as exc:
-        raise UserError(f"--output-dir {output_dir} is not writable ({exc.strerror or exc}); pass a folder you can "
-                        f"write to") from exc
+        raise UserError(
+            f"--output-dir {output_dir} is not writable ({exc.strerror or exc}); pass a folder you can write to"
+        ) from exc
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -72,12 +74,16 @@ def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
         holder = lock.read().strip()
         lock.close()
         if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks (some NFS setups)
-            note(f"[trainbridge] cannot lock {path} ({exc.strerror or exc}): nothing keeps a second job out of "
-                 f"{output_dir} while this one runs")
+            note(
+                f"[trainbridge] cannot lock {path} ({exc.strerror or exc}): nothing keeps a second job out of "
+                f"{output_dir} while this one runs"
+            )
             return
-        raise UserError(f"--output-dir {output_dir} is in use by another job ({holder or 'holder unknown'}): "
-                        f"this one would resume from its live checkpoints and write over them; wait for it to "
-                        f"finish, or pass another --output-dir") from None
+        raise UserError(
+            f"--output-dir {output_dir} is in use by another job ({holder or 'holder unknown'}): "
+            f"this one would resume from its live checkpoints and write over them; wait for it to "
+            f"finish, or pass another --output-dir"
+        ) from None
     lock.seek(0)
     lock.truncate()
     lock.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
@@ -87,6 +93,7 @@ def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
 
 def claim_output_dir(output_dir: str, job: "Job") -> None:
     """One job per output directory: rank 0 takes the lock, every rank learns the outcome and stops alike."""
+
     def claim() -> Optional[str]:
         if not job.is_main:  # Horovod elastic runs the decision on every rank
             return None
@@ -103,11 +110,17 @@ def claim_output_dir(output_dir: str, job: "Job") -> None:
 
 def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     """Load a trainbridge checkpoint; UserError naming the file when it is missing or unreadable."""
-    checkpoint = read_file(path, map_location, missing="check the path, or use --resume auto/never",
-                           corrupt="delete it or pass --resume with another file")
+    checkpoint = read_file(
+        path,
+        map_location,
+        missing="check the path, or use --resume auto/never",
+        corrupt="delete it or pass --resume with another file",
+    )
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
-                        f"for weights only, load it with torch.load and --resume never")
+        raise UserError(
+            f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
+            f"for weights only, load it with torch.load and --resume never"
+        )
     return checkpoint
 
 
@@ -137,8 +150,10 @@ def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> 
             found_corrupt.append(path)
             note(f"[trainbridge] {exc}; moved it to {aside}; trying the previous checkpoint")
     if found_corrupt:
-        raise UserError(f"no loadable checkpoint in {output_dir}: {', '.join(found_corrupt)} corrupt (moved aside "
-                        f"as *.corrupt); use --resume never to start over")
+        raise UserError(
+            f"no loadable checkpoint in {output_dir}: {', '.join(found_corrupt)} corrupt (moved aside "
+            f"as *.corrupt); use --resume never to start over"
+        )
     return None, None
 
 
@@ -146,8 +161,10 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], pat
     """load_state_dict with a one-line error naming missing and unexpected keys."""
     mismatch = state_mismatch(model, state)
     if mismatch:
-        raise UserError(f"checkpoint {path} is for another model: {mismatch}; use the --model it was trained with, "
-                        f"or --resume never")
+        raise UserError(
+            f"checkpoint {path} is for another model: {mismatch}; use the --model it was trained with, "
+            f"or --resume never"
+        )
     model.load_state_dict(state)
 
 

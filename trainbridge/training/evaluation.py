@@ -9,6 +9,7 @@ over ranks. The main rank prints the table and writes, in ``--output-dir``:
   of the weights scored;
 * ``confusion_<split>.png`` -- the confusion matrix as a picture.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,20 +49,25 @@ def evaluate(model: torch.nn.Module, task: Task, split: str, job: Job, batch_siz
     count = 0
     for inputs, targets in job.eval_loader(dataset, batch_size, **task.loader_options(split)):
         outputs = model(inputs)
-        batch = {"loss": task.loss(outputs, targets, reduction="sum").detach().double(),
-                 **metric_sums(task, task.metrics(outputs, targets), quiet=not job.is_main)}
+        batch = {
+            "loss": task.loss(outputs, targets, reduction="sum").detach().double(),
+            **metric_sums(task, task.metrics(outputs, targets), quiet=not job.is_main),
+        }
         for name, value in batch.items():
             sums[name] = sums.get(name, 0) + value
         count += len(targets)
     model.train(was_training)
     # The metric names come from the batches: a rank with an empty shard (fewer samples than ranks) has none.
     names = sorted({name for ranks in job.allgather_object(sorted(sums)) for name in ranks})
-    local = torch.tensor([float(sums[n]) if n in sums else 0.0 for n in names] + [float(count)],
-                         dtype=torch.float64, device=job.device)
+    local = torch.tensor(
+        [float(sums[n]) if n in sums else 0.0 for n in names] + [float(count)], dtype=torch.float64, device=job.device
+    )
     # Each sample was seen by exactly one rank, so global sums are exact.
     *totals, total_count = job.allreduce(local, "sum").tolist()
-    return {**{f"{split}_{name}": value / total_count for name, value in zip(names, totals)},
-            f"{split}_samples": int(total_count)}
+    return {
+        **{f"{split}_{name}": value / total_count for name, value in zip(names, totals)},
+        f"{split}_samples": int(total_count),
+    }
 
 
 @torch.no_grad()
@@ -108,20 +114,22 @@ def summarise(matrix: torch.Tensor, class_names: Sequence[str], split: str, loss
     total = int(matrix.sum())
     scores = precision_recall(matrix)
     return {
-        "split": split, "samples": total,
+        "split": split,
+        "samples": total,
         "accuracy": float(matrix.diagonal().sum()) / total if total else None,
         "loss": loss_sum / total if total else None,
         "classes": list(class_names),
-        "per_class": {name: {"precision": scores["precision"][i], "recall": scores["recall"][i],
-                             "support": int(matrix[i].sum())} for i, name in enumerate(class_names)},
+        "per_class": {
+            name: {"precision": scores["precision"][i], "recall": scores["recall"][i], "support": int(matrix[i].sum())}
+            for i, name in enumerate(class_names)
+        },
         "confusion_matrix": matrix.tolist(),
         "confusion_matrix_axes": "rows: true class, columns: predicted class (order of 'classes')",
     }
 
 
 @torch.no_grad()
-def classification_report(model: torch.nn.Module, task: Task, split: str, job: Job,
-                          batch_size: int) -> Dict[str, Any]:
+def classification_report(model: torch.nn.Module, task: Task, split: str, job: Job, batch_size: int) -> Dict[str, Any]:
     """Score ``split`` exactly across ranks; every rank returns the same report.
 
     ``model`` is the unwrapped module (``job.unwrap(model)``: DDP's buffer broadcast must not run on uneven shards) and
@@ -190,8 +198,14 @@ def plot_confusion(report: Dict[str, Any], path: str) -> None:
     threshold = matrix.max().item() / 2
     for t in range(len(names)):
         for p in range(len(names)):
-            axes.text(p, t, str(int(matrix[t, p])), ha="center", va="center",
-                      color="white" if matrix[t, p] > threshold else "black")
+            axes.text(
+                p,
+                t,
+                str(int(matrix[t, p])),
+                ha="center",
+                va="center",
+                color="white" if matrix[t, p] > threshold else "black",
+            )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -207,8 +221,9 @@ def save_report(report: Dict[str, Any], output_dir: str) -> List[str]:
     return [json_path, png_path]
 
 
-def report_model(model: torch.nn.Module, task: Task, job: Job, batch_size: int, output_dir: str,
-                 epoch: Optional[int]) -> Dict[str, Dict[str, Any]]:
+def report_model(
+    model: torch.nn.Module, task: Task, job: Job, batch_size: int, output_dir: str, epoch: Optional[int]
+) -> Dict[str, Dict[str, Any]]:
     """Score every evaluation split a classifier task has; the main rank prints and saves each report.
 
     Collective: every rank must call it. Tasks without class names get no report.
@@ -220,7 +235,9 @@ def report_model(model: torch.nn.Module, task: Task, job: Job, batch_size: int, 
         report = {**classification_report(model, task, split, job, batch_size), "epoch": epoch}
         if job.is_main:
             paths = save_report(report, output_dir)
-            job.print(f"[trainbridge] {split} report of the best model (epoch {epoch}):\n"
-                          f"{format_report(report)}\n[trainbridge] wrote {' and '.join(paths)}")
+            job.print(
+                f"[trainbridge] {split} report of the best model (epoch {epoch}):\n"
+                f"{format_report(report)}\n[trainbridge] wrote {' and '.join(paths)}"
+            )
         reports[split] = report
     return reports

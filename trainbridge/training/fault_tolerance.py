@@ -5,6 +5,7 @@ A NaN or infinite loss ends it too: :mod:`trainbridge.training.loss_check`.
 The stop agreement itself (SIGTERM on any rank -> every rank stops at the same
 step) and the watchdog are the public API's: :mod:`trainbridge.api.stop`.
 """
+
 from __future__ import annotations
 
 import os

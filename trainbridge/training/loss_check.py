@@ -1,4 +1,5 @@
 """The check that stops ``trainbridge train`` at the first NaN or infinite training loss."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -17,7 +18,7 @@ class NonFiniteLossCheck:
     whenever the loss is read anyway.
     """
 
-    NEVER = 2 ** 40  # larger than any step
+    NEVER = 2**40  # larger than any step
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -31,5 +32,8 @@ class NonFiniteLossCheck:
         """Every rank calls it: raise UserError naming the first step with a NaN/inf loss on any rank."""
         first = int(-self.job.allreduce(-self.first, "max").item())  # the minimum over ranks
         if first < self.NEVER:
-            raise UserError(f"the training loss became NaN or infinite at step {first}; nothing from that step on "
-                            f"was saved; {hint()}", quiet=not self.job.is_main)
+            raise UserError(
+                f"the training loss became NaN or infinite at step {first}; nothing from that step on "
+                f"was saved; {hint()}",
+                quiet=not self.job.is_main,
+            )

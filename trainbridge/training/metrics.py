@@ -1,4 +1,5 @@
 """What the main rank shows and writes: the progress bar and metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -78,9 +79,11 @@ class StepTimer:
         if not self.durations:
             return {"step_time_median": None, "step_time_p90": None, "local_samples_per_second": None}
         ordered = sorted(self.durations)
-        return {"step_time_median": statistics.median(ordered),
-                "step_time_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-                "local_samples_per_second": self.samples_after_warmup / sum(ordered)}
+        return {
+            "step_time_median": statistics.median(ordered),
+            "step_time_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "local_samples_per_second": self.samples_after_warmup / sum(ordered),
+        }
 
 
 def peak_rss_mb() -> float:

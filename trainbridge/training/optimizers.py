@@ -8,6 +8,7 @@ step the weights differ from the loop's by about one float32 rounding (1.5e-8),
 and every backend and launcher uses the same kernel, so runs still agree with
 each other. Adadelta has no fused kernel and keeps torch's default.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -38,6 +39,8 @@ def load_keeping_kernels(optimizer: torch.optim.Optimizer, state: Dict) -> None:
     """
     saved = state["param_groups"]
     if len(saved) == len(optimizer.param_groups):  # else let torch name the mismatch
-        saved = [{**group, **{flag: mine[flag] for flag in KERNEL_FLAGS if flag in mine}}
-                 for group, mine in zip(saved, optimizer.param_groups)]
+        saved = [
+            {**group, **{flag: mine[flag] for flag in KERNEL_FLAGS if flag in mine}}
+            for group, mine in zip(saved, optimizer.param_groups)
+        ]
     optimizer.load_state_dict({**state, "param_groups": saved})

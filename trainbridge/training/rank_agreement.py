@@ -6,6 +6,7 @@ runs on each rank: one stepped with a rank-local metric (e.g. each shard's own
 validation loss) takes different decisions on different ranks, and the models
 drift apart silently. Checking is one small allgather per epoch.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -28,6 +29,8 @@ def learning_rates_per_rank(optimizer: torch.optim.Optimizer, job: Job) -> List[
     everyone = job.allgather_object(mine)
     if any(theirs != everyone[0] for theirs in everyone):
         listing = ", ".join(f"rank {r}: {lrs}" for r, lrs in enumerate(everyone))
-        raise RankDivergence(f"learning rates differ between ranks ({listing}); every rank must step the "
-                             f"scheduler with the same, globally reduced, metric")
+        raise RankDivergence(
+            f"learning rates differ between ranks ({listing}); every rank must step the "
+            f"scheduler with the same, globally reduced, metric"
+        )
     return [lrs[0] for lrs in everyone]

@@ -6,6 +6,7 @@ metric so far, the config, and the backend and world size that wrote it.
 ``snapshot``/``restore`` are the in-memory form that Horovod's elastic mode
 saves on every commit and broadcasts to new workers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,10 +20,10 @@ from .checkpoint import FORMAT
 
 @dataclasses.dataclass
 class Progress:
-    epoch: int = 0          # the epoch in progress, 0-based
-    position: int = 0       # samples of that epoch's global order already trained on
-    step: int = 0           # optimizer steps in all
-    samples: int = 0        # training samples in all (global)
+    epoch: int = 0  # the epoch in progress, 0-based
+    position: int = 0  # samples of that epoch's global order already trained on
+    step: int = 0  # optimizer steps in all
+    samples: int = 0  # training samples in all (global)
     best_accuracy: Optional[float] = None
     best_loss: Optional[float] = None
     best_epoch: Optional[int] = None
@@ -39,16 +40,28 @@ class Progress:
 
 
 class TrainState:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 progress: Progress, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        progress: Progress,
+        scaler: Optional[torch.amp.GradScaler] = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
         self.scaler = scaler  # --amp fp16: the loss scale is state too
 
     def snapshot(self) -> Dict[str, Any]:
         """A deep copy of the trainable state and counters (no RNG: that is per rank)."""
-        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scheduler": self.scheduler.state_dict(), "scaler": self._scaler_state(),
-                              "progress": dataclasses.asdict(self.progress)})
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self._scaler_state(),
+                "progress": dataclasses.asdict(self.progress),
+            }
+        )
 
     def _scaler_state(self) -> Optional[Dict[str, Any]]:
         return self.scaler.state_dict() if self.scaler is not None else None
@@ -72,8 +85,13 @@ class TrainState:
             "scaler": self._scaler_state(),
             "progress": dataclasses.asdict(p),
             # Readable summaries of the same counters (the contract of final.pt and the README).
-            "epoch": p.epoch, "step": p.step, "step_in_epoch": p.position // (world_size * batch_size),
+            "epoch": p.epoch,
+            "step": p.step,
+            "step_in_epoch": p.position // (world_size * batch_size),
             "sampler": {"seed": config["seed"], "epoch": p.epoch, "position": p.position},
             "best": {"val_accuracy": p.best_accuracy, "val_loss": p.best_loss, "epoch": p.best_epoch},
-            "config": config, "backend": backend, "world_size": world_size, "batch_size": batch_size,
+            "config": config,
+            "backend": backend,
+            "world_size": world_size,
+            "batch_size": batch_size,
         }

@@ -6,6 +6,7 @@ a host sync. Written on the public API: where DDP and Horovod differ (skipping t
 allreduce of early micro-batches, stepping with a GradScaler), the job's
 ``no_sync``, ``backward`` and ``step`` decide.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -29,9 +30,11 @@ def cpu_bf16_warning(amp: str, device: torch.device) -> Optional[str]:
     """
     if amp != "bf16" or device.type != "cpu" or cpu_has_bf16():
         return None
-    return (f"[trainbridge] warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 "
-            f"instructions (AVX512-BF16 or AMX), so --amp bf16 is usually slower than fp32 here, not faster; "
-            f"use --amp off")
+    return (
+        f"[trainbridge] warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 "
+        f"instructions (AVX512-BF16 or AMX), so --amp bf16 is usually slower than fp32 here, not faster; "
+        f"use --amp off"
+    )
 
 
 def memory_format(channels_last: str, device: torch.device) -> torch.memory_format:
@@ -41,9 +44,16 @@ def memory_format(channels_last: str, device: torch.device) -> torch.memory_form
 
 
 class TrainStep:
-    def __init__(self, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: Job,
-                 micro_batch_size: int, layout: torch.memory_format = torch.contiguous_format,
-                 compile: bool = False) -> None:
+    def __init__(
+        self,
+        task: Task,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        job: Job,
+        micro_batch_size: int,
+        layout: torch.memory_format = torch.contiguous_format,
+        compile: bool = False,
+    ) -> None:
         self.task, self.model, self.optimizer, self.job = task, model, optimizer, job
         # Compiled once per process, after the backend wrapped the model: DDP's
         # compiled graph is split at bucket boundaries, so allreduces still overlap

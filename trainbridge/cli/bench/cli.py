@@ -5,6 +5,7 @@ writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``, and exits
 1 if any run failed or timed out (0 otherwise: speed targets are reported,
 not asserted). ``--quick`` is the CI smoke test: few steps, one repeat.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,25 +37,47 @@ def default_workloads(quick: bool) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainbridge bench",
-                                description="trainbridge under every launcher against hand-written baselines "
-                                            "and its peers (Accelerate, Lightning Fabric).")
+    p = argparse.ArgumentParser(
+        prog="trainbridge bench",
+        description="trainbridge under every launcher against hand-written baselines "
+        "and its peers (Accelerate, Lightning Fabric).",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: few steps, 1 repeat (CI)")
     p.add_argument("--nproc", type=int, default=2, help="processes of the distributed configurations (default 2)")
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default: 1 quick, 5 full)")
-    p.add_argument("--workload", action="append", choices=list(WORKLOADS),
-                   help=f"workload to run, repeatable (default: all; with --quick: {QUICK_DEFAULT_WORKLOAD})")
-    p.add_argument("--only", action="append", metavar="CONFIG",
-                   help="run only these configurations, repeatable (e.g. torch_gloo); targets may then be n/a")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds one run may take before it is killed and failed (default: 120 quick, 300 full)")
-    p.add_argument("--settle", type=float, default=None,
-                   help="before each run, wait up to this many seconds for the machine to be under 25%% busy "
-                        "(default: 0 quick, 60 full)")
-    p.add_argument("--noise-limit", type=float, default=None,
-                   help="repeat a run (up to --noisy-retries times, keeping the quietest) when other processes used "
-                        "more than this share of all cores during it (default: off quick, 0.15 full)")
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=list(WORKLOADS),
+        help=f"workload to run, repeatable (default: all; with --quick: {QUICK_DEFAULT_WORKLOAD})",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="CONFIG",
+        help="run only these configurations, repeatable (e.g. torch_gloo); targets may then be n/a",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one run may take before it is killed and failed (default: 120 quick, 300 full)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="before each run, wait up to this many seconds for the machine to be under 25%% busy "
+        "(default: 0 quick, 60 full)",
+    )
+    p.add_argument(
+        "--noise-limit",
+        type=float,
+        default=None,
+        help="repeat a run (up to --noisy-retries times, keeping the quietest) when other processes used "
+        "more than this share of all cores during it (default: off quick, 0.15 full)",
+    )
     p.add_argument("--noisy-retries", type=int, default=3, help="at most this many extra tries per run (default 3)")
     return p
 
@@ -87,20 +110,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         result: Dict[str, Any] = {
             "command": shlex.join(["trainbridge", "bench", *argv]),
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": {"cores": cores, "platform": platform.platform(terse=True), "python": platform.python_version(),
-                        "torch": version("torch"), "horovod": version("horovod")},
-            "settings": {"mode": "quick" if args.quick else "full", "repeats": repeats, "nproc": args.nproc,
-                         "timeout_seconds": timeout, "settle_seconds": settle, "noise_limit": noise_limit,
-                         "noisy_retries": args.noisy_retries,
-                         "threads_policy": f"cores // processes, at least 1 ({cores} cores: 1 process -> "
-                                           f"{cores} threads, {args.nproc} processes -> {max(1, cores // args.nproc)}; "
-                                           f"the unit row uses 1)"},
+            "machine": {
+                "cores": cores,
+                "platform": platform.platform(terse=True),
+                "python": platform.python_version(),
+                "torch": version("torch"),
+                "horovod": version("horovod"),
+            },
+            "settings": {
+                "mode": "quick" if args.quick else "full",
+                "repeats": repeats,
+                "nproc": args.nproc,
+                "timeout_seconds": timeout,
+                "settle_seconds": settle,
+                "noise_limit": noise_limit,
+                "noisy_retries": args.noisy_retries,
+                "threads_policy": f"cores // processes, at least 1 ({cores} cores: 1 process -> "
+                f"{cores} threads, {args.nproc} processes -> {max(1, cores // args.nproc)}; "
+                f"the unit row uses 1)",
+            },
             "workloads": {},
         }
         for name in args.workload or default_workloads(args.quick):
             workload = WORKLOADS[name]
-            configs = [c for c in build_matrix(workload, args.nproc, args.quick, cores)
-                       if not args.only or c.key in args.only]
+            configs = [
+                c for c in build_matrix(workload, args.nproc, args.quick, cores) if not args.only or c.key in args.only
+            ]
             if not configs:
                 raise UserError(f"--only {args.only} matches no configuration")
             skipped = skipped_rows(configs, args.only)
@@ -109,15 +144,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_launchers([c for c in configs if c.key not in skipped])
             workload.prepare()
             steps, warmup = workload.steps(args.quick)
-            print(f"[bench] {name}: {len(configs) - len(skipped)} configurations x {repeats} repeats, {steps} steps "
-                  f"({warmup} warm-up), output in {out}", flush=True)
-            runs = run_matrix([c for c in configs if c.key not in skipped], repeats, out / "runs" / name, timeout,
-                              settle, noise_limit, args.noisy_retries, report=lambda line: print(line, flush=True))
+            print(
+                f"[bench] {name}: {len(configs) - len(skipped)} configurations x {repeats} repeats, {steps} steps "
+                f"({warmup} warm-up), output in {out}",
+                flush=True,
+            )
+            runs = run_matrix(
+                [c for c in configs if c.key not in skipped],
+                repeats,
+                out / "runs" / name,
+                timeout,
+                settle,
+                noise_limit,
+                args.noisy_retries,
+                report=lambda line: print(line, flush=True),
+            )
             ran = [c.key for c in configs if c.key not in skipped]
             print(f"[bench] {name}: counting validation samples with {COUNT_RANKS} ranks", flush=True)
             counted = count_validation_samples(workload, ran, out / "runs" / name, timeout, cores)
-            summaries = {c.key: aggregate(c, [r for r in runs if r.key == c.key], skipped.get(c.key))
-                         for c in configs}
+            summaries = {c.key: aggregate(c, [r for r in runs if r.key == c.key], skipped.get(c.key)) for c in configs}
             for key, run in counted.items():
                 summaries[key]["val_samples_3_ranks"] = run.val_samples
                 if run.status != "ok":
@@ -126,16 +171,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             unit = summaries.get(UNIT, {}).get("samples_per_second")
             for summary in summaries.values():
                 summary["scaling_efficiency"] = scaling_efficiency(summary, unit)
-            result["workloads"][name] = {"description": workload.description, "batch_size": workload.batch_size,
-                                         "val_set_size": len(cast(Sized, workload.eval_dataset())),  # map-style
-                                         "steps": steps, "warmup_steps": warmup, "configs": summaries,
-                                         "targets": evaluate_all(summaries)}
+            result["workloads"][name] = {
+                "description": workload.description,
+                "batch_size": workload.batch_size,
+                "val_set_size": len(cast(Sized, workload.eval_dataset())),  # map-style
+                "steps": steps,
+                "warmup_steps": warmup,
+                "configs": summaries,
+                "targets": evaluate_all(summaries),
+            }
     except UserError as exc:
         print(f"trainbridge: error: {exc}", file=sys.stderr)
         return 2
 
-    failed = [f"{w}/{k}" for w, wl in result["workloads"].items() for k, c in wl["configs"].items()
-              if c["status"] == "failed"]
+    failed = [
+        f"{w}/{k}" for w, wl in result["workloads"].items() for k, c in wl["configs"].items() if c["status"] == "failed"
+    ]
     result["ok"] = not failed
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(result, out / "bench.json")
@@ -145,8 +196,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\n".join(report.target_table(w["targets"])))
     print(f"[bench] wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     if failed:
-        print(f"trainbridge: error: failed configurations: {', '.join(failed)} (see {out / 'bench.md'})",
-              file=sys.stderr)
+        print(
+            f"trainbridge: error: failed configurations: {', '.join(failed)} (see {out / 'bench.md'})", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -16,6 +16,7 @@ recommends, beside trainbridge's own API in a loop of one's own. These rows and
 the DDP tutorial evaluate at every epoch end and write a checkpoint, as
 ``trainbridge train`` does, so that their wall times compare whole runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,8 +101,10 @@ def check_launchers(configs: List[BenchConfig]) -> None:
     for name in dict.fromkeys(c.launcher for c in configs if c.launcher):
         if find_launcher(name) is None:
             rows = ", ".join(c.key for c in configs if c.launcher == name)
-            raise UserError(f"{name} is not installed beside {sys.executable} nor on the PATH, and it starts {rows}; "
-                            f"install it, or choose other rows with --only")
+            raise UserError(
+                f"{name} is not installed beside {sys.executable} nor on the PATH, and it starts {rows}; "
+                f"install it, or choose other rows with --only"
+            )
 
 
 def baseline_parser(description: str) -> argparse.ArgumentParser:
@@ -118,14 +121,18 @@ def baseline_parser(description: str) -> argparse.ArgumentParser:
 
 
 # The rows that a user choosing a library compares, each under torchrun: whole runs, not only steady state.
-PEER_SCRIPTS = {"trainbridge_loop": "trainbridge_loop.py", "accelerate": "accelerate_loop.py",
-                "fabric": "fabric_loop.py"}
+PEER_SCRIPTS = {
+    "trainbridge_loop": "trainbridge_loop.py",
+    "accelerate": "accelerate_loop.py",
+    "fabric": "fabric_loop.py",
+}
 PEERS = ("ddp_tutorial", "accelerate", "fabric")  # what users would pick instead of trainbridge
 COMPARED = ("torch_gloo", "trainbridge_loop", *PEERS)  # also run with 3 ranks to count validation samples
 
 
-def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0,
-                 gpu: Optional[bool] = None) -> List[BenchConfig]:
+def build_matrix(
+    workload: Workload, nproc: int, quick: bool, cores: int = 0, gpu: Optional[bool] = None
+) -> List[BenchConfig]:
     """Every configuration, baseline and peer for ``workload``, with ``nproc`` processes where distributed.
 
     Where there are GPUs (``gpu``: default, whether CUDA is available) every row trains
@@ -147,52 +154,183 @@ def build_matrix(workload: Workload, nproc: int, quick: bool, cores: int = 0,
             raise UserError(f"{BASELINES_DIR / name} is missing; trainbridge bench runs from a source checkout")
 
     def trainbridge(backend: str, threads: int) -> Tuple[str, ...]:
-        return ("-m", "trainbridge.train", *workload.train_args, "--backend", backend,
-                "--batch-size", str(workload.batch_size), "--threads", str(threads), "--max-steps", str(steps),
-                "--epochs", "100000", "--warmup-steps", str(warmup), "--no-progress")
+        return (
+            "-m",
+            "trainbridge.train",
+            *workload.train_args,
+            "--backend",
+            backend,
+            "--batch-size",
+            str(workload.batch_size),
+            "--threads",
+            str(threads),
+            "--max-steps",
+            str(steps),
+            "--epochs",
+            "100000",
+            "--warmup-steps",
+            str(warmup),
+            "--no-progress",
+        )
 
     def baseline(script: str, threads: int) -> Tuple[str, ...]:
-        return (str(BASELINES_DIR / script), "--workload", workload.name, "--threads", str(threads),
-                "--steps", str(steps), "--warmup-steps", str(warmup))
+        return (
+            str(BASELINES_DIR / script),
+            "--workload",
+            workload.name,
+            "--threads",
+            str(threads),
+            "--steps",
+            str(steps),
+            "--warmup-steps",
+            str(warmup),
+        )
 
     all_cores, one, per_rank = threads_per_rank(1, cores), 1, threads_per_rank(nproc, cores)
     n = f"×{nproc}"
     return [
-        BenchConfig("local_all_cores", "trainbridge local, 1 process", "trainbridge", "1 process, all cores",
-                    1, all_cores, (python, *trainbridge("local", all_cores))),
-        BenchConfig("bare_loop", "bare loop (no distribution)", "baseline", "1 process, all cores",
-                    1, all_cores, (python, *baseline("bare_loop.py", all_cores))),
-        BenchConfig("local_1_thread", "trainbridge local, 1 thread on 1 core (unit)", "trainbridge",
-                    "1 process, 1 thread", 1, one, (python, *trainbridge("local", one)), pinned=True),
-        BenchConfig("torch_gloo", f"trainbridge torch/{'nccl' if gpu else 'gloo'} {n}", "trainbridge", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank))),
-        BenchConfig("ddp_tutorial", f"DDP tutorial {n}", "baseline", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *baseline("ddp_tutorial.py", per_rank))),
-        BenchConfig("trainbridge_loop", f"trainbridge API, own loop {n}", "trainbridge", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["trainbridge_loop"], per_rank))),
+        BenchConfig(
+            "local_all_cores",
+            "trainbridge local, 1 process",
+            "trainbridge",
+            "1 process, all cores",
+            1,
+            all_cores,
+            (python, *trainbridge("local", all_cores)),
+        ),
+        BenchConfig(
+            "bare_loop",
+            "bare loop (no distribution)",
+            "baseline",
+            "1 process, all cores",
+            1,
+            all_cores,
+            (python, *baseline("bare_loop.py", all_cores)),
+        ),
+        BenchConfig(
+            "local_1_thread",
+            "trainbridge local, 1 thread on 1 core (unit)",
+            "trainbridge",
+            "1 process, 1 thread",
+            1,
+            one,
+            (python, *trainbridge("local", one)),
+            pinned=True,
+        ),
+        BenchConfig(
+            "torch_gloo",
+            f"trainbridge torch/{'nccl' if gpu else 'gloo'} {n}",
+            "trainbridge",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *trainbridge("torch", per_rank)),
+        ),
+        BenchConfig(
+            "ddp_tutorial",
+            f"DDP tutorial {n}",
+            "baseline",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *baseline("ddp_tutorial.py", per_rank)),
+        ),
+        BenchConfig(
+            "trainbridge_loop",
+            f"trainbridge API, own loop {n}",
+            "trainbridge",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *baseline(PEER_SCRIPTS["trainbridge_loop"], per_rank)),
+        ),
         # Without ACCELERATE_USE_CPU=1 Accelerate under torchrun on a CPU trains each rank alone.
-        BenchConfig("accelerate", f"Accelerate {n}" + ("" if gpu else " (ACCELERATE_USE_CPU=1)"), "peer",
-                    f"torchrun {n}", nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["accelerate"], per_rank)),
-                    env=() if gpu else (("ACCELERATE_USE_CPU", "1"),), needs="accelerate"),
-        BenchConfig("fabric", f"Lightning Fabric {n}", "peer", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *baseline(PEER_SCRIPTS["fabric"], per_rank)), needs="lightning"),
+        BenchConfig(
+            "accelerate",
+            f"Accelerate {n}" + ("" if gpu else " (ACCELERATE_USE_CPU=1)"),
+            "peer",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *baseline(PEER_SCRIPTS["accelerate"], per_rank)),
+            env=() if gpu else (("ACCELERATE_USE_CPU", "1"),),
+            needs="accelerate",
+        ),
+        BenchConfig(
+            "fabric",
+            f"Lightning Fabric {n}",
+            "peer",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *baseline(PEER_SCRIPTS["fabric"], per_rank)),
+            needs="lightning",
+        ),
         # The same job with gradients through gloo instead of shared memory: what --shm-allreduce buys.
-        BenchConfig("torch_gloo_no_shm", f"trainbridge torch/gloo {n} --shm-allreduce off", "trainbridge",
-                    f"torchrun {n}", nproc, per_rank,
-                    (*torchrun, *trainbridge("torch", per_rank), "--shm-allreduce", "off")),
+        BenchConfig(
+            "torch_gloo_no_shm",
+            f"trainbridge torch/gloo {n} --shm-allreduce off",
+            "trainbridge",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *trainbridge("torch", per_rank), "--shm-allreduce", "off"),
+        ),
         # Opt-in bf16 autocast (other numerics than fp32): the gain of --amp, not a target.
-        BenchConfig("torch_gloo_bf16", f"trainbridge torch/gloo {n} --amp bf16", "trainbridge", f"torchrun {n}",
-                    nproc, per_rank, (*torchrun, *trainbridge("torch", per_rank), "--amp", "bf16"),
-                    needs_cpu_bf16=True),
+        BenchConfig(
+            "torch_gloo_bf16",
+            f"trainbridge torch/gloo {n} --amp bf16",
+            "trainbridge",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *trainbridge("torch", per_rank), "--amp", "bf16"),
+            needs_cpu_bf16=True,
+        ),
         # The ceiling of N-process scaling here: N bare loops that never communicate.
-        BenchConfig("independent_bare_loops", f"bare loop {n}, no communication (ceiling)", "baseline",
-                    f"torchrun {n}", nproc, per_rank, (*torchrun, *baseline("bare_loop.py", per_rank))),
-        BenchConfig("horovod_gloo", f"trainbridge horovod/gloo {n}", "trainbridge", f"horovodrun --gloo {n}",
-                    nproc, per_rank, (*hvd_gloo, *trainbridge("horovod", per_rank))),
-        BenchConfig("horovod_tutorial_gloo", f"Horovod tutorial gloo {n}", "baseline", f"horovodrun --gloo {n}",
-                    nproc, per_rank, (*hvd_gloo, *baseline("horovod_tutorial.py", per_rank))),
-        BenchConfig("horovod_mpi", f"trainbridge horovod/mpi {n}", "trainbridge", f"horovodrun --mpi {n}",
-                    nproc, per_rank, (*hvd_mpi, *trainbridge("horovod", per_rank))),
-        BenchConfig("horovod_tutorial_mpi", f"Horovod tutorial mpi {n}", "baseline", f"horovodrun --mpi {n}",
-                    nproc, per_rank, (*hvd_mpi, *baseline("horovod_tutorial.py", per_rank))),
+        BenchConfig(
+            "independent_bare_loops",
+            f"bare loop {n}, no communication (ceiling)",
+            "baseline",
+            f"torchrun {n}",
+            nproc,
+            per_rank,
+            (*torchrun, *baseline("bare_loop.py", per_rank)),
+        ),
+        BenchConfig(
+            "horovod_gloo",
+            f"trainbridge horovod/gloo {n}",
+            "trainbridge",
+            f"horovodrun --gloo {n}",
+            nproc,
+            per_rank,
+            (*hvd_gloo, *trainbridge("horovod", per_rank)),
+        ),
+        BenchConfig(
+            "horovod_tutorial_gloo",
+            f"Horovod tutorial gloo {n}",
+            "baseline",
+            f"horovodrun --gloo {n}",
+            nproc,
+            per_rank,
+            (*hvd_gloo, *baseline("horovod_tutorial.py", per_rank)),
+        ),
+        BenchConfig(
+            "horovod_mpi",
+            f"trainbridge horovod/mpi {n}",
+            "trainbridge",
+            f"horovodrun --mpi {n}",
+            nproc,
+            per_rank,
+            (*hvd_mpi, *trainbridge("horovod", per_rank)),
+        ),
+        BenchConfig(
+            "horovod_tutorial_mpi",
+            f"Horovod tutorial mpi {n}",
+            "baseline",
+            f"horovodrun --mpi {n}",
+            nproc,
+            per_rank,
+            (*hvd_mpi, *baseline("horovod_tutorial.py", per_rank)),
+        ),
     ]

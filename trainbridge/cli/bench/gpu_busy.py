@@ -7,6 +7,7 @@ run's wall time the GPUs computed: start-up, data loading, evaluation and
 checkpoints count as idle, as they do for the user waiting for the run. None
 where there is no NVIDIA GPU or no ``nvidia-ml-py`` (the ``bench`` extra).
 """
+
 from __future__ import annotations
 
 import threading

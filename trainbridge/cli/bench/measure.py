@@ -10,6 +10,7 @@ over all ranks). Steps are timed by :class:`trainbridge.training.metrics.StepTim
 the gap between consecutive optimizer steps, warm-up and each epoch's first step
 left out.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,20 +38,29 @@ def leave() -> None:
 def rank_performance(timer: StepTimer) -> Dict[str, Any]:
     """This rank's throughput, step times and peak RSS; gather these from every rank."""
     timing = timer.summary()
-    return {"sps": timing["local_samples_per_second"], "step_time_median": timing["step_time_median"],
-            "step_time_p90": timing["step_time_p90"], "first_step_at": timer.first_step_at, "rss": peak_rss_mb()}
+    return {
+        "sps": timing["local_samples_per_second"],
+        "step_time_median": timing["step_time_median"],
+        "step_time_p90": timing["step_time_p90"],
+        "first_step_at": timer.first_step_at,
+        "rss": peak_rss_mb(),
+    }
 
 
 def write_final(output_dir: str, per_rank: List[Dict[str, Any]], **extra: Any) -> None:
     """Write the ``final`` line from every rank's :func:`rank_performance`, in rank order (main rank only)."""
     rates = [r["sps"] for r in per_rank]
-    MetricsLog(output_dir, enabled=True).write({
-        "event": "final", **extra,
-        "samples_per_second": sum(rates) if None not in rates else None,
-        "step_time_median": per_rank[0]["step_time_median"], "step_time_p90": per_rank[0]["step_time_p90"],
-        "first_step_at": per_rank[0]["first_step_at"],
-        "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank],
-    })
+    MetricsLog(output_dir, enabled=True).write(
+        {
+            "event": "final",
+            **extra,
+            "samples_per_second": sum(rates) if None not in rates else None,
+            "step_time_median": per_rank[0]["step_time_median"],
+            "step_time_p90": per_rank[0]["step_time_p90"],
+            "first_step_at": per_rank[0]["first_step_at"],
+            "peak_rss_mb_per_rank": [round(r["rss"], 1) for r in per_rank],
+        }
+    )
 
 
 def read_final(output_dir: str) -> Dict[str, Any]:

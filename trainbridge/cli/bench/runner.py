@@ -14,6 +14,7 @@ A run that exits non-zero, writes no ``final`` line, or outlives its timeout
 (its whole process tree is then killed) is a failed run; a configuration with a
 failed run is failed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,20 +38,30 @@ from .workloads import Workload
 
 # A benchmark run must not inherit the launcher of whoever started the bench.
 LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_", "TORCHELASTIC_")
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TRAINBRIDGE_SPAWNED", "OMP_NUM_THREADS")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TRAINBRIDGE_SPAWNED",
+    "OMP_NUM_THREADS",
+)
 
 
 def run_environment(threads: int) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_VARIABLES}
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": str(threads),  # the same as --threads; also silences torchrun's warning
-        # Open MPI's shared-memory single-copy needs ptrace rights that containers lack.
-        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-    })
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_VARIABLES}
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": str(threads),  # the same as --threads; also silences torchrun's warning
+            # Open MPI's shared-memory single-copy needs ptrace rights that containers lack.
+            "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        }
+    )
     return env
 
 
@@ -151,11 +162,21 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     run_dir.mkdir(parents=True)
     stdout, stderr = run_dir / "stdout.log", run_dir / "stderr.log"
     busy0, ours0, start, launched = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter(), time.time()
-    with open(stdout, "w") as out, open(stderr, "w") as err, cpu_affinity(config.cores_used if config.pinned else 0), \
-            GpuBusy() as gpu:
-        proc = subprocess.Popen(config.command(str(run_dir)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env={**run_environment(config.threads), **dict(config.env)}, cwd=str(REPO_ROOT),
-                                start_new_session=True)
+    with (
+        open(stdout, "w") as out,
+        open(stderr, "w") as err,
+        cpu_affinity(config.cores_used if config.pinned else 0),
+        GpuBusy() as gpu,
+    ):
+        proc = subprocess.Popen(
+            config.command(str(run_dir)),
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env={**run_environment(config.threads), **dict(config.env)},
+            cwd=str(REPO_ROOT),
+            start_new_session=True,
+        )
         try:
             code: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -164,8 +185,16 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     wall = time.perf_counter() - start
     foreign = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - ours0)
     foreign_share = max(0.0, foreign / (wall * (psutil.cpu_count() or 1))) if wall > 0 else None
-    result = RunResult(config.key, repeat, "ok", round(wall, 2), foreign_share and round(foreign_share, 3),
-                       log_dir=str(run_dir), exit_code=code, gpu_busy=gpu.fraction)
+    result = RunResult(
+        config.key,
+        repeat,
+        "ok",
+        round(wall, 2),
+        foreign_share and round(foreign_share, 3),
+        log_dir=str(run_dir),
+        exit_code=code,
+        gpu_busy=gpu.fraction,
+    )
     # The bench keeps logs, metrics and reports, not weights: a DesignSafe ResNet34 run
     # leaves about 800 MB of checkpoints (last, previous, best, final; the peers' in their formats).
     for path in sorted(run_dir.rglob("*"), reverse=True):  # files before the folders that hold them
@@ -179,8 +208,9 @@ def run_once(config: BenchConfig, repeat: int, run_dir: Path, timeout: float) ->
     final = read_final(str(run_dir))
     if code != 0 or not final.get("samples_per_second"):
         result.status = "failed"
-        result.error = (f"exit {code}, {'no final metrics' if not final else 'no throughput'}; "
-                        f"stderr tail:\n{tail(stderr)}")
+        result.error = (
+            f"exit {code}, {'no final metrics' if not final else 'no throughput'}; stderr tail:\n{tail(stderr)}"
+        )
         return result
     for field in ("samples_per_second", "step_time_median", "step_time_p90", "peak_rss_mb_per_rank", "val_samples"):
         setattr(result, field, final.get(field))
@@ -198,8 +228,15 @@ def wait_until_quiet(limit_seconds: float, busy_share: float = 0.25, sample_seco
             return share
 
 
-def run_quietly(config: BenchConfig, repeat: int, run_dir: Path, timeout: float, settle_seconds: float,
-                noise_limit: Optional[float], noisy_retries: int) -> RunResult:
+def run_quietly(
+    config: BenchConfig,
+    repeat: int,
+    run_dir: Path,
+    timeout: float,
+    settle_seconds: float,
+    noise_limit: Optional[float],
+    noisy_retries: int,
+) -> RunResult:
     """``run_once``, repeated while other processes used more than ``noise_limit`` of the cores or killed it.
 
     Returns the quietest successful attempt (else the last one), with ``attempts`` set.
@@ -212,8 +249,12 @@ def run_quietly(config: BenchConfig, repeat: int, run_dir: Path, timeout: float,
         result = run_once(config, repeat, attempt_dir, timeout)
         attempts.append(result)
         killed_from_outside = result.status == "failed" and result.exit_code in (-signal.SIGKILL, -signal.SIGTERM)
-        noisy = (result.status == "ok" and noise_limit is not None and result.foreign_cpu is not None
-                 and result.foreign_cpu > noise_limit)
+        noisy = (
+            result.status == "ok"
+            and noise_limit is not None
+            and result.foreign_cpu is not None
+            and result.foreign_cpu > noise_limit
+        )
         if not (killed_from_outside or noisy):
             break
     ok = [r for r in attempts if r.status == "ok"]
@@ -222,30 +263,47 @@ def run_quietly(config: BenchConfig, repeat: int, run_dir: Path, timeout: float,
     return best
 
 
-def run_matrix(configs: List[BenchConfig], repeats: int, out_dir: Path, timeout: float, settle_seconds: float = 0.0,
-               noise_limit: Optional[float] = None, noisy_retries: int = 0,
-               report: Callable[[str], None] = print) -> List[RunResult]:
+def run_matrix(
+    configs: List[BenchConfig],
+    repeats: int,
+    out_dir: Path,
+    timeout: float,
+    settle_seconds: float = 0.0,
+    noise_limit: Optional[float] = None,
+    noisy_retries: int = 0,
+    report: Callable[[str], None] = print,
+) -> List[RunResult]:
     """Run every configuration ``repeats`` times, interleaved; results in run order."""
     results = []
     for repeat in range(repeats):
-        order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+        order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
         for config in order:
-            result = run_quietly(config, repeat, out_dir / config.key / f"repeat{repeat + 1}", timeout,
-                                 settle_seconds, noise_limit, noisy_retries)
+            result = run_quietly(
+                config,
+                repeat,
+                out_dir / config.key / f"repeat{repeat + 1}",
+                timeout,
+                settle_seconds,
+                noise_limit,
+                noisy_retries,
+            )
             results.append(result)
             shown = f"{result.samples_per_second:,.0f} samples/s" if result.status == "ok" else result.status.upper()
             foreign = f", other load {result.foreign_cpu:.0%}" if result.foreign_cpu is not None else ""
             tries = f", best of {result.attempts} tries" if result.attempts > 1 else ""
-            report(f"[bench] repeat {repeat + 1}/{repeats} {config.key}: {shown} "
-                   f"({result.wall_seconds:.1f}s{foreign}{tries})")
+            report(
+                f"[bench] repeat {repeat + 1}/{repeats} {config.key}: {shown} "
+                f"({result.wall_seconds:.1f}s{foreign}{tries})"
+            )
     return results
 
 
 COUNT_RANKS = 3  # validation sets of 1,000 do not split evenly into 3 shards
 
 
-def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path, timeout: float,
-                             cores: int) -> Dict[str, RunResult]:
+def count_validation_samples(
+    workload: Workload, keys: List[str], out_dir: Path, timeout: float, cores: int
+) -> Dict[str, RunResult]:
     """Each compared row once more with 3 ranks and few steps: the validation samples its metric code counts.
 
     A padded evaluation shard counts some samples twice; an exact one counts the set's size.
@@ -256,10 +314,13 @@ def count_validation_samples(workload: Workload, keys: List[str], out_dir: Path,
     gpus = torch.cuda.device_count()
     on_gpus = gpus >= COUNT_RANKS
     hidden = (("CUDA_VISIBLE_DEVICES", ""),) if 0 < gpus < COUNT_RANKS else ()
-    three = {c.key: dataclasses.replace(c, env=c.env + hidden)
-             for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores, gpu=on_gpus)}
-    return {key: run_once(three[key], 0, out_dir / key / f"{COUNT_RANKS}-ranks", timeout)
-            for key in keys if key in COMPARED}
+    three = {
+        c.key: dataclasses.replace(c, env=c.env + hidden)
+        for c in build_matrix(workload, COUNT_RANKS, quick=True, cores=cores, gpu=on_gpus)
+    }
+    return {
+        key: run_once(three[key], 0, out_dir / key / f"{COUNT_RANKS}-ranks", timeout) for key in keys if key in COMPARED
+    }
 
 
 def median_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -273,8 +334,13 @@ def aggregate(config: BenchConfig, runs: List[RunResult], skipped: Optional[str]
     rates = [r.samples_per_second for r in ok if r.samples_per_second is not None]  # set on every ok run
     rss = [r.peak_rss_mb_per_rank for r in ok if r.peak_rss_mb_per_rank]
     return {
-        "label": config.label, "kind": config.kind, "group": config.group, "nproc": config.nproc,
-        "threads_per_rank": config.threads, "cores_used": config.cores_used, "command": config.command("DIR"),
+        "label": config.label,
+        "kind": config.kind,
+        "group": config.group,
+        "nproc": config.nproc,
+        "threads_per_rank": config.threads,
+        "cores_used": config.cores_used,
+        "command": config.command("DIR"),
         "status": "skipped" if skipped else "ok" if ok and len(ok) == len(runs) else "failed",
         "skip_reason": skipped,
         "errors": [f"repeat {r.repeat + 1}: {r.error}" for r in runs if r.status != "ok"],

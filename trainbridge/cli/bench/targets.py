@@ -9,6 +9,7 @@ trainbridge with whichever of the DDP tutorial, Accelerate and Fabric did best.
 Ratios use the medians over repeats; ``ratio_per_repeat`` pairs the runs of each
 repeat (adjacent in time), which shows how much the machine's noise moves the ratio.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,16 +44,39 @@ TARGETS = [
     Target("T3b", "horovod/gloo, N processes vs N x one-thread unit", "horovod_gloo", UNIT, 0.90, scale_by_nproc=True),
     Target("T3c", "horovod/mpi, N processes vs N x one-thread unit", "horovod_mpi", UNIT, 0.90, scale_by_nproc=True),
     Target("T4", "trainbridge, 1 process vs bare loop", "local_all_cores", "bare_loop", 0.98),
-    Target("R3", "ceiling for T3: N bare loops without communication vs N x one-thread unit",
-           "independent_bare_loops", UNIT, None, scale_by_nproc=True),
+    Target(
+        "R3",
+        "ceiling for T3: N bare loops without communication vs N x one-thread unit",
+        "independent_bare_loops",
+        UNIT,
+        None,
+        scale_by_nproc=True,
+    ),
     Target("R1", "torch backend with --amp bf16 vs hand-written DDP (fp32)", "torch_gloo_bf16", "ddp_tutorial", None),
-    Target("R2", "torch backend, shared-memory gradient exchange vs gloo (--shm-allreduce off)", "torch_gloo",
-           "torch_gloo_no_shm", None),
-    Target("P1", "trainbridge train, end-to-end wall time vs the best peer", "torch_gloo", PEERS, 0.90,
-           metric="wall_seconds"),
+    Target(
+        "R2",
+        "torch backend, shared-memory gradient exchange vs gloo (--shm-allreduce off)",
+        "torch_gloo",
+        "torch_gloo_no_shm",
+        None,
+    ),
+    Target(
+        "P1",
+        "trainbridge train, end-to-end wall time vs the best peer",
+        "torch_gloo",
+        PEERS,
+        0.90,
+        metric="wall_seconds",
+    ),
     Target("P2", "trainbridge train, steady-state samples/s vs the best peer", "torch_gloo", PEERS, 0.95),
-    Target("P3", "trainbridge API loop, end-to-end wall time vs the best peer", "trainbridge_loop", PEERS, 0.90,
-           metric="wall_seconds"),
+    Target(
+        "P3",
+        "trainbridge API loop, end-to-end wall time vs the best peer",
+        "trainbridge_loop",
+        PEERS,
+        0.90,
+        metric="wall_seconds",
+    ),
     Target("P4", "trainbridge API loop, steady-state samples/s vs the best peer", "trainbridge_loop", PEERS, 0.95),
 ]
 
@@ -78,12 +102,16 @@ def evaluate(target: Target, configs: Dict[str, Dict[str, Any]]) -> Dict[str, An
     row["scale"] = scale
     row["ratio"] = mine[target.metric] / (ref * scale)
     if target.threshold is not None:
-        row["met"] = ((row["ratio"] <= target.threshold) if target.lower_is_better
-                      else (row["ratio"] >= target.threshold))
+        row["met"] = (
+            (row["ratio"] <= target.threshold) if target.lower_is_better else (row["ratio"] >= target.threshold)
+        )
     a = values_by_repeat(mine, target.metric)
     b = [values_by_repeat(r, target.metric) for r in refs]
-    row["ratio_per_repeat"] = [round(a[k] / (best([v[k] for v in b], target.lower_is_better) * scale), 4)
-                               for k in sorted(a) if all(k in v for v in b)]
+    row["ratio_per_repeat"] = [
+        round(a[k] / (best([v[k] for v in b], target.lower_is_better) * scale), 4)
+        for k in sorted(a)
+        if all(k in v for v in b)
+    ]
     return row
 
 

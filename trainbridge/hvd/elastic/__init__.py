@@ -14,6 +14,7 @@ restarts every worker when one fails (``torchrun --max-restarts N``), so here:
   from the initial state); when ``run`` returns on every rank the commit file is
   removed (see :mod:`.commit_file`).
 """
+
 from __future__ import annotations
 
 import functools

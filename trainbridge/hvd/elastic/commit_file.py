@@ -34,6 +34,7 @@ are stored as plain values and rebuilt with their types on a restart
 (:mod:`.plain_values`); any other value that loader refuses fails ``commit()``
 with a ``TypeError`` naming it, instead of a file the restart could not read.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -84,8 +85,11 @@ def job_identity(environ: Optional[Mapping[str, str]] = None) -> str:
     if run_id != SHARED_RUN_ID:
         return run_id
     error_file = environ.get("TORCHELASTIC_ERROR_FILE", "")
-    agent = error_file.split(f"{os.sep}attempt_")[0] if f"{os.sep}attempt_" in error_file else \
-        f"{socket.gethostname()}:{os.getppid()}"
+    agent = (
+        error_file.split(f"{os.sep}attempt_")[0]
+        if f"{os.sep}attempt_" in error_file
+        else f"{socket.gethostname()}:{os.getppid()}"
+    )
     return f"{run_id}@{agent}"
 
 
@@ -170,9 +174,12 @@ def load(path: str, job: Optional[str] = None) -> Optional[Any]:
         return None
     written_by = document.get("job") if isinstance(document, dict) else None
     if job is not None and written_by != job:
-        print(f"hvd.elastic: ignoring {path}: it was written by another torchrun job ({written_by or 'unknown'}, "
-              f"this is {job}); starting from the initial state (give each job its own --rdzv-id or "
-              f"TRAINBRIDGE_ELASTIC_DIR)", flush=True)
+        print(
+            f"hvd.elastic: ignoring {path}: it was written by another torchrun job ({written_by or 'unknown'}, "
+            f"this is {job}); starting from the initial state (give each job its own --rdzv-id or "
+            f"TRAINBRIDGE_ELASTIC_DIR)",
+            flush=True,
+        )
         return None
     return from_plain(document["state"])
 
@@ -185,7 +192,7 @@ def remove(path: str, why: str = "") -> None:
         if why:
             print(f"hvd.elastic: removed {path}: {why}", flush=True)
     for partial in leftover_temporary_files(path):  # a writer killed mid-write (torchrun stops every
-        with contextlib.suppress(OSError):          # worker when one fails)
+        with contextlib.suppress(OSError):  # worker when one fails)
             os.remove(partial)
     if is_default_location():
         with contextlib.suppress(OSError):

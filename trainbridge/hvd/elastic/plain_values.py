@@ -18,6 +18,7 @@ raises ``TypeError`` at ``commit()``, naming the value, instead of a file that
 no restart could read. The test of what the loader accepts is
 ``trainbridge.runtime.weights_only.unloadable_value``, the one ``job.save`` uses.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,8 +43,10 @@ def _class_name(cls: Any, where: str, what: str) -> str:
     except (ImportError, AttributeError, ValueError):
         found = None
     if found is not cls:
-        raise TypeError(f"hvd.elastic: {where} is a {what} {getattr(cls, '__qualname__', cls)!r} that a restart "
-                        f"cannot import by name; define it at the top level of a module (or use plain values)")
+        raise TypeError(
+            f"hvd.elastic: {where} is a {what} {getattr(cls, '__qualname__', cls)!r} that a restart "
+            f"cannot import by name; define it at the top level of a module (or use plain values)"
+        )
     return name
 
 
@@ -91,9 +94,11 @@ def to_plain(value: Any, where: str = "state") -> Any:
     problem = unloadable_value(value, where)
     if problem is not None:
         inside = "" if problem.startswith(f"{where} holds") else f" ({problem})"  # deeper in an allowed class
-        raise TypeError(f"hvd.elastic: {where} is a {kind.__name__}{inside}, which the commit file cannot hold "
-                        f"(torch.load(weights_only=True) refuses it on a restart): store a state_dict or plain "
-                        f"values (numbers, strings, tensors and dicts/lists/tuples of them)")
+        raise TypeError(
+            f"hvd.elastic: {where} is a {kind.__name__}{inside}, which the commit file cannot hold "
+            f"(torch.load(weights_only=True) refuses it on a restart): store a state_dict or plain "
+            f"values (numbers, strings, tensors and dicts/lists/tuples of them)"
+        )
     return value  # a class the loader accepts (an OrderedDict state_dict, a Counter): kept as it is
 
 
@@ -109,6 +114,7 @@ def from_plain(value: Any) -> Any:
         payload = from_plain(payload)
         if tag == "numpy":
             import numpy
+
             return numpy.dtype(name).type(payload)
         if tag == "enum":
             return _resolve(name)(payload)

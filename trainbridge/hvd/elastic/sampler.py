@@ -5,6 +5,7 @@ Same contract as Horovod's: call ``record_batch`` after each batch and
 job skips the samples processed before the last commit and splits the rest
 over the current ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,14 +48,14 @@ class ElasticSampler(torch.utils.data.Sampler):
         indices = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(indices)  # the same order on every rank
-        self.remaining_indices = indices[self.processed_num:]
+        self.remaining_indices = indices[self.processed_num :]
         self.num_samples = int(math.ceil(len(self.remaining_indices) / self.num_replicas))
         self.total_size = self.num_samples * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
         indices = self.remaining_indices[:]
-        indices += indices[:self.total_size - len(indices)]  # pad to a multiple of the ranks
-        return iter(indices[self.rank:self.total_size:self.num_replicas])
+        indices += indices[: self.total_size - len(indices)]  # pad to a multiple of the ranks
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
         return self.num_samples

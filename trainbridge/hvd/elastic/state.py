@@ -5,6 +5,7 @@ the last save, ``sync()`` broadcasts rank 0's values to every rank. ``commit()``
 = ``save()`` plus, under torchrun, a write of the snapshot to the
 commit file (:mod:`.commit_file`) so that a restarted job resumes from it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -74,8 +75,9 @@ class State:
 class ObjectState(State):
     """Plain Python values given as keyword arguments, exposed as attributes."""
 
-    def __init__(self, bcast_object: Optional[Callable] = None, get_rank: Optional[Callable] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, bcast_object: Optional[Callable] = None, get_rank: Optional[Callable] = None, **kwargs: Any
+    ) -> None:
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object or broadcast_object, get_rank or rank)
@@ -139,15 +141,19 @@ class SamplerStateHandler(StateHandler):
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
 
-HANDLERS = [(torch.nn.Module, ModelStateHandler), (torch.optim.Optimizer, OptimizerStateHandler),
-            (ElasticSampler, SamplerStateHandler)]
+HANDLERS = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
 
 
 class TorchState(ObjectState):
     """Models, optimizers and ElasticSamplers (through their state_dicts) plus plain values."""
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs: Any
+    ) -> None:
         kwargs.update(model=model, optimizer=optimizer)
         self._handlers: Dict[str, StateHandler] = {}
         plain = {}

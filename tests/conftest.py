@@ -26,6 +26,10 @@ MPIRUN = "mpirun"
 # As root, Open MPI refuses to start without these; --oversubscribe lets 3 ranks share 2 cores.
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
 TRAIN = ["-m", "trainbridge.train"]
+# trainbridge train on the embedded MNIST sample without a progress bar: the start of most test runs.
+SAMPLE = ["--dataset", "mnist-sample", "--no-progress"]
+# A small deterministic model and optimizer for runs whose weights are compared.
+PLAIN_SGD = ["--model", "plaincnn", "--optimizer", "sgd", "--batch-size", "100"]
 
 
 def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, TRAIN, plain, run, torchrun
+from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun
 
-QUICK = ["--dataset", "mnist-sample", "--max-steps", "2", "--no-progress"]
+QUICK = [*SAMPLE, "--max-steps", "2"]
 
 
 def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> None:

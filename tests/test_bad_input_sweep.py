@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, TRAIN, check, launcher_env, load_final, plain, read_metrics, run
+from conftest import PYTHON, SAMPLE, TRAIN, check, launcher_env, load_final, plain, read_metrics, run
 from test_bad_input import assert_one_clear_line
 from trainbridge.cli.train import main as train_main
 from trainbridge.cli.data import main as data_main
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.launch.rendezvous import free_port
 
-QUICK = ["--dataset", "mnist-sample", "--no-progress", "--epochs", "1"]
+QUICK = [*SAMPLE, "--epochs", "1"]
 
 
 # ----- the table: every bad value gets its line and exit status 2, before any process group ---------

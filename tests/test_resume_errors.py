@@ -3,11 +3,10 @@ import shutil
 
 import torch
 
-from conftest import check, load_final, plain, read_metrics, run
+from conftest import PLAIN_SGD, SAMPLE, check, load_final, plain, read_metrics, run
 from test_bad_input import assert_one_clear_line
 
-QUICK = ["--dataset", "mnist-sample", "--model", "plaincnn", "--optimizer", "sgd", "--batch-size", "100",
-         "--epochs", "2", "--no-progress"]
+QUICK = [*SAMPLE, *PLAIN_SGD, "--epochs", "2"]
 
 
 def truncate(path):

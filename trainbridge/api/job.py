@@ -436,7 +436,7 @@ class Job:
         """
 
         def attempt() -> T:
-            self._stop.pending = None  # an agreement started in a world that has since changed
+            self._stop.abandon()  # an agreement started in a world that has since changed
             return train_fn()
 
         return self.backend.run_resilient(attempt, state)

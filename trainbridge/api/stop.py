@@ -61,6 +61,10 @@ class StopSignal:
         self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
         return False
 
+    def abandon(self) -> None:
+        """Drop the allreduce in flight unread: it was started in a world that has since changed (elastic)."""
+        self.pending = None
+
     def drain(self) -> bool:
         """Finish the allreduce in flight; whether it said stop."""
         if self.pending is not None:

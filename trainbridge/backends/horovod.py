@@ -111,7 +111,7 @@ class HorovodBackend(Backend):
     name = "horovod"
 
     def check_launch(self) -> None:
-        refuse_horovod_under(self.env, "--backend horovod", f"use --backend torch under {self.env.launcher}")
+        refuse_horovod_under(self.env, 'backend="horovod"', f'use backend="torch" under {self.env.launcher}')
 
     def init(self) -> None:
         # horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1: the size may change
@@ -158,7 +158,7 @@ class HorovodBackend(Backend):
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
             raise UserError(
-                "--shm-allreduce on needs --backend torch; with Horovod, use its MPI controller "
+                'shm_allreduce="on" needs backend="torch"; with Horovod, use its MPI controller '
                 "(mpirun or horovodrun --mpi), whose Open MPI already averages through shared memory",
                 quiet=not self.is_main,
             )
@@ -200,9 +200,9 @@ class HorovodBackend(Backend):
     def _compression(self, name: str):
         if name == "bf16":
             raise UserError(
-                "--compression bf16 is not available with --backend horovod: Horovod 0.28 allreduces "
-                "no bfloat16 tensors; use --compression fp16 (Horovod's Compression.fp16), or "
-                "--backend torch for bf16",
+                'compression="bf16" is not available with backend="horovod": Horovod 0.28 allreduces '
+                'no bfloat16 tensors; use compression="fp16" (Horovod\'s Compression.fp16), or '
+                'backend="torch" for bf16',
                 quiet=not self.is_main,
             )
         return {"none": self.hvd.Compression.none, "fp16": self.hvd.Compression.fp16}[name]

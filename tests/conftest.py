@@ -75,8 +75,11 @@ def dump_stacks(pid: int) -> str:
         try:
             if "python" not in process.name():
                 continue
-            dump = subprocess.run([str(BIN / "py-spy"), "dump", "--native", "--pid", str(process.pid)],
-                                  capture_output=True, text=True, timeout=30)
+            for native in (["--native"], []):  # the Python frames where native unwinding fails
+                dump = subprocess.run([str(BIN / "py-spy"), "dump", *native, "--pid", str(process.pid)],
+                                      capture_output=True, text=True, timeout=30)
+                if dump.returncode == 0:
+                    break
             dumps.append(dump.stdout + dump.stderr)
         except (psutil.Error, OSError, subprocess.SubprocessError) as e:
             dumps.append(f"{process.pid}: no dump ({e})")

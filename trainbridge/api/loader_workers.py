@@ -90,9 +90,13 @@ def describe_workers() -> str:
     for pid in _live_workers():
         if py_spy is not None:
             try:
-                dump = subprocess.run(
-                    [py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=20
-                )
+                # Native frames first; where the unwinder fails on them (seen: UNW_EBADREG), the Python ones.
+                for native in (["--native"], []):
+                    dump = subprocess.run(
+                        [py_spy, "dump", *native, "--pid", str(pid)], capture_output=True, text=True, timeout=20
+                    )
+                    if dump.returncode == 0:
+                        break
                 parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
                 continue
             except (OSError, subprocess.SubprocessError):

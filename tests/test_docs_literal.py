@@ -19,10 +19,10 @@ from typing import List
 import pytest
 
 from conftest import run
+from test_docs import marked_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_MARKER = "<!-- test: shell -->"
-RUN_MARKER = "<!-- test: run -->"
 PAGES = {  # page -> the output folders its commands must leave a finished run in, and lines they must print
     "docs/quickstart.md": (["runs/python", "runs/torchrun", "runs/horovodrun", "runs/mpirun"], []),
     "docs/guides/own-loop.md": (["runs/own-python", "runs/own-spawn", "runs/own-torchrun", "runs/own-hvd-gloo",
@@ -41,10 +41,6 @@ def shell_blocks(page: Path) -> List[str]:
     return re.findall(rf"^{re.escape(SHELL_MARKER)}\n```bash\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL)
 
 
-def python_blocks(page: Path) -> List[str]:
-    return re.findall(rf"^{re.escape(RUN_MARKER)}\n```python\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL)
-
-
 ELASTIC_DUPLICATE_NAME = (
     "known bug: after the injected failure the Horovod elastic survivor sometimes stops with Horovod's 'same name "
     "as another tensor that is currently being processed' (docs/guides/fault-tolerance.md says so); the run still ends"
@@ -61,7 +57,7 @@ def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
     assert blocks, f"{page} has no block marked {SHELL_MARKER}"
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    for code in python_blocks(ROOT / page):
+    for code in marked_blocks(ROOT / page):
         (tmp_path / "train.py").write_text(code)
     script = "set -euo pipefail\n" + "\n".join(blocks)
     env = {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}  # `trainbridge` as after `pip install`

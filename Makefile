@@ -39,12 +39,16 @@ TORCH_VERSIONS ?= 2.11.0 2.14.1
 test-torch-versions:
 	REMOVE_VENVS=1 bash scripts/test_torch_versions.sh $(TORCH_VERSIONS)
 
-# The linter, the formatter's check and the type checker over the package: ruff (settings in
+# The linter, the formatter's check and the type checker over the package and the bench: ruff (settings in
 # ruff.toml), then mypy (setup.cfg's [mypy]). Both come with the test extra; `make test` runs it first.
 lint:
-	$(VENV)/bin/python -m ruff check trainbridge
-	$(VENV)/bin/python -m ruff format --check trainbridge
-	$(VENV)/bin/python -m mypy trainbridge
+	$(VENV)/bin/python -m ruff check trainbridge benchmarks
+	$(VENV)/bin/python -m ruff format --check trainbridge benchmarks
+	$(VENV)/bin/python -m mypy trainbridge benchmarks/bench
+
+# The peer bench's smoke run (the bench lives in the checkout, benchmarks/bench; docs/guides/benchmarks.md).
+bench: setup
+	$(VENV)/bin/python -m benchmarks --quick
 
 clean:
 	rm -rf runs .pytest_cache

@@ -8,6 +8,7 @@ synchronous save every ``--every`` steps, a background save every ``--every``
 steps. The time lost per checkpoint is (run time - run time without saves) /
 number of saves. Prints one JSON line per repeat and the medians.
 """
+
 import argparse
 import json
 import statistics
@@ -43,8 +44,12 @@ def run(job, args, mode: str, out: str) -> float:
         nn.functional.cross_entropy(model(x), y).backward()
         job.step(optimizer)
         if mode != "none" and step % args.every == 0:
-            job.save({"model": model, "optimizer": optimizer, "step": step}, f"{out}/last.pt",
-                     keep_previous=f"{out}/previous.pt", background=mode == "background")
+            job.save(
+                {"model": model, "optimizer": optimizer, "step": step},
+                f"{out}/last.pt",
+                keep_previous=f"{out}/previous.pt",
+                background=mode == "background",
+            )
     job.wait_for_saves()
     if job.device.type == "cuda":
         torch.cuda.synchronize()  # the GPU's queued steps are part of the run
@@ -69,10 +74,17 @@ def main() -> None:
                 lost[mode].append((times[mode] - times["none"]) / saves)
             print(json.dumps({"repeat": repeat, **{k: round(v, 3) for k, v in times.items()}}))
     median = {mode: statistics.median(v) for mode, v in lost.items()}
-    print(json.dumps({"model": args.model, "steps": args.steps, "saves": saves,
-                      "lost_per_checkpoint_s": {k: round(v, 4) for k, v in median.items()},
-                      "background_over_sync": round(median["background"] / median["sync"], 3)
-                      if median["sync"] > 0 else None}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "steps": args.steps,
+                "saves": saves,
+                "lost_per_checkpoint_s": {k: round(v, 4) for k, v in median.items()},
+                "background_over_sync": round(median["background"] / median["sync"], 3) if median["sync"] > 0 else None,
+            }
+        )
+    )
     job.shutdown()
 
 

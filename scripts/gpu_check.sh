@@ -67,7 +67,7 @@ step determinism 90 bash -c determinism
 
 step checkpoint_cost 90 "$PY" benchmarks/checkpoint_cost.py --model resnet34 --steps 40 --every 5 --repeats 3
 
-step bench 200 "$PY" -m trainbridge bench --nproc 1 --workload mnist-convnet --repeats 2 --settle 0 --noisy-retries 0 \
+step bench 200 "$PY" -m benchmarks --nproc 1 --workload mnist-convnet --repeats 2 --settle 0 --noisy-retries 0 \
     --timeout 90 --out runs/gpu-bench --only torch_gloo --only trainbridge_loop --only ddp_tutorial --only accelerate \
     --only fabric
 cp runs/gpu-bench/bench.md runs/gpu-bench/bench.json "$OUT/" 2>/dev/null || true

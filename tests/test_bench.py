@@ -1,4 +1,4 @@
-"""``trainbridge bench``: the quick smoke run produces every number, and failures are reported, not hung.
+"""The peer bench (``python -m benchmarks``): the quick smoke run produces every number, and failures are reported, not hung.
 
 Speed is never asserted here: the ratios live in benchmarks/RESULTS.md.
 """
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, TORCHRUN, check, run
 
+ROOT = Path(__file__).resolve().parents[1]
+
 from trainbridge.training import step as train_step
-from trainbridge.cli.bench import cli as bench_cli
-from trainbridge.cli.bench.configs import COMPARED, BenchConfig, build_matrix, check_launchers, skip_reason
-from trainbridge.cli.bench.runner import CHECKPOINT_SUFFIXES, run_once
-from trainbridge.cli.bench.targets import TARGETS, evaluate
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench import cli as bench_cli
+from benchmarks.bench.configs import COMPARED, BenchConfig, build_matrix, check_launchers, skip_reason
+from benchmarks.bench.runner import CHECKPOINT_SUFFIXES, run_once
+from benchmarks.bench.targets import TARGETS, evaluate
+from benchmarks.bench.workloads import WORKLOADS
 from trainbridge.errors import UserError
 from trainbridge.training.step import cpu_has_bf16
 
@@ -26,9 +28,9 @@ CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_
 
 @pytest.mark.e2e
 def test_quick_bench_reports_every_configuration(tmp_path):
-    """The CI smoke test as the README gives it: ``trainbridge bench --quick`` runs MNIST's every configuration."""
+    """The CI smoke test as the README gives it: ``python -m benchmarks --quick`` runs MNIST's every configuration."""
     out = tmp_path / "bench"
-    result = check(run([PYTHON, "-m", "trainbridge", "bench", "--quick", "--out", str(out)], timeout=240))
+    result = check(run([PYTHON, "-m", "benchmarks", "--quick", "--out", str(out)], timeout=240, cwd=str(ROOT)))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"
@@ -92,8 +94,8 @@ def test_quick_bench_runs_the_designsafe_workload_everywhere(tmp_path):
     """ResNet34 on the image folder: trainbridge, the DDP tutorial and the DataLoader bare loop run."""
     out = tmp_path / "bench"
     only = [arg for key in DESIGNSAFE_CONFIGS for arg in ("--only", key)]
-    check(run([PYTHON, "-m", "trainbridge", "bench", "--quick", "--workload", "designsafe-resnet34", *only,
-               "--out", str(out)], timeout=300))
+    check(run([PYTHON, "-m", "benchmarks", "--quick", "--workload", "designsafe-resnet34", *only,
+               "--out", str(out)], timeout=300, cwd=str(ROOT)))
     workload = json.loads((out / "bench.json").read_text())["workloads"]["designsafe-resnet34"]
     assert list(workload["configs"]) == DESIGNSAFE_CONFIGS
     for key, config in workload["configs"].items():

@@ -13,6 +13,7 @@ the bench sets it for this row.
     ACCELERATE_USE_CPU=1 torchrun --standalone --nproc-per-node 2 benchmarks/baselines/accelerate_loop.py \
         --workload mnist-convnet --threads 1 --steps 300 --warmup-steps 10 --output-dir runs/accelerate
 """
+
 import os
 
 import torch
@@ -23,9 +24,9 @@ from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, leave, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, leave, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS
 
 
 def evaluate(accelerator, model, loader):
@@ -49,8 +50,10 @@ def main():
     torch.set_num_threads(args.threads)
     accelerator = Accelerator()  # ACCELERATE_USE_CPU=1 on a CPU; torchrun's variables give the ranks
     if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", 1)):
-        raise SystemExit(f"Accelerate runs {accelerator.num_processes} process(es) under a launcher of "
-                         f"{os.environ.get('WORLD_SIZE')}: set ACCELERATE_USE_CPU=1 on a machine without a GPU")
+        raise SystemExit(
+            f"Accelerate runs {accelerator.num_processes} process(es) under a launcher of "
+            f"{os.environ.get('WORLD_SIZE')}: set ACCELERATE_USE_CPU=1 on a machine without a GPU"
+        )
     set_seed(args.seed)
 
     workers = workload.workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -72,7 +75,9 @@ def main():
             accelerator.backward(loss)
             optimizer.step()
             if batch_idx % args.log_interval == 0:
-                accelerator.print(f"Train Epoch: {epoch + 1} [{batch_idx}/{len(train_loader)}]\tLoss: {loss.item():.6f}")
+                accelerator.print(
+                    f"Train Epoch: {epoch + 1} [{batch_idx}/{len(train_loader)}]\tLoss: {loss.item():.6f}"
+                )
             step += 1
             timer.tick(len(target))
             if step >= args.steps:
@@ -88,8 +93,14 @@ def main():
     per_rank = [None] * accelerator.num_processes
     dist.all_gather_object(per_rank, rank_performance(timer))
     if accelerator.is_main_process:
-        write_final(args.output_dir, per_rank, baseline="accelerate", world_size=accelerator.num_processes,
-                    step=step, val_samples=val_samples)
+        write_final(
+            args.output_dir,
+            per_rank,
+            baseline="accelerate",
+            world_size=accelerator.num_processes,
+            step=step,
+            val_samples=val_samples,
+        )
     # gloo aborts a process that destroys its group while a peer still uses it: wait for every rank first.
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also destroys the process group

@@ -15,15 +15,15 @@ memory bandwidth and cores). The process group only gathers their timings at the
 
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/bare_loop.py --threads 1 --output-dir runs/indep
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from torch.utils.data import DataLoader
 
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS, in_memory
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS, in_memory
 from trainbridge.data.imagefolder import auto_workers
 from trainbridge.launch import detect_launch
 from trainbridge.training.optimizers import fused_kernels
@@ -37,11 +37,18 @@ def main():
     rank = launch.rank
     if workload.in_memory:
         images, labels = in_memory(workload.dataset())
-        batches = lambda order: ((images.index_select(0, b), labels.index_select(0, b))  # noqa: E731
-                                 for b in order.split(workload.batch_size))
+
+        def batches(order):
+            return ((images.index_select(0, b), labels.index_select(0, b)) for b in order.split(workload.batch_size))
+
     else:  # decoded and augmented per sample: a DataLoader with trainbridge's worker count
-        loader = DataLoader(workload.dataset(), batch_size=workload.batch_size, shuffle=True,
-                            num_workers=auto_workers(launch.local_size), persistent_workers=True)
+        loader = DataLoader(
+            workload.dataset(),
+            batch_size=workload.batch_size,
+            shuffle=True,
+            num_workers=auto_workers(launch.local_size),
+            persistent_workers=True,
+        )
         batches = lambda order: loader  # noqa: E731
 
     torch.manual_seed(args.seed + rank)

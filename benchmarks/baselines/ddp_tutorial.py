@@ -12,6 +12,7 @@ the step timer is the bench's, so that both are timed the same way.
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/ddp_tutorial.py \
         --workload mnist-convnet --threads 1 --steps 160 --warmup-steps 10 --output-dir runs/ddp
 """
+
 import os
 
 import torch
@@ -21,9 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, leave, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, leave, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS
 
 
 def evaluate(model, loader, device):
@@ -55,12 +56,17 @@ def main():
     # DDP: each process reads its own shard of the data.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     workers = workload.workers(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    train_loader = DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler, num_workers=workers,
-                              pin_memory=use_cuda)
+    train_loader = DataLoader(
+        dataset, batch_size=workload.batch_size, sampler=sampler, num_workers=workers, pin_memory=use_cuda
+    )
     val_set = workload.eval_dataset()
-    val_loader = DataLoader(val_set, batch_size=workload.batch_size, num_workers=workers,
-                            sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False),
-                            pin_memory=use_cuda)
+    val_loader = DataLoader(
+        val_set,
+        batch_size=workload.batch_size,
+        num_workers=workers,
+        sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False),
+        pin_memory=use_cuda,
+    )
 
     torch.manual_seed(args.seed)
     # DDP: broadcasts rank 0's weights, then averages gradients during backward.
@@ -93,17 +99,29 @@ def main():
         if rank == 0:
             print(f"Epoch {epoch + 1}: val accuracy {accuracy:.4f} ({val_samples} samples)")
             # DDP: every rank holds the same weights, so one rank saves them.
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "epoch": epoch},
-                       os.path.join(args.output_dir, "checkpoint.pt"))
+            torch.save(
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "epoch": epoch,
+                },
+                os.path.join(args.output_dir, "checkpoint.pt"),
+            )
         scheduler.step()
         epoch += 1
 
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, rank_performance(timer))
     if rank == 0:
-        write_final(args.output_dir, per_rank, baseline="ddp_tutorial", world_size=world_size, step=step,
-                    val_samples=val_samples)
+        write_final(
+            args.output_dir,
+            per_rank,
+            baseline="ddp_tutorial",
+            world_size=world_size,
+            step=step,
+            val_samples=val_samples,
+        )
     dist.barrier()
     dist.destroy_process_group()
     leave()

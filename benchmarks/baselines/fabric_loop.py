@@ -9,6 +9,7 @@ the step timer is the bench's, so that every row trains and is timed the same wa
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/fabric_loop.py \
         --workload mnist-convnet --threads 1 --steps 300 --warmup-steps 10 --output-dir runs/fabric
 """
+
 import os
 
 import torch
@@ -18,9 +19,9 @@ from lightning.fabric import Fabric
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, leave, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, leave, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS
 
 
 def evaluate(fabric, model, loader):
@@ -29,8 +30,9 @@ def evaluate(fabric, model, loader):
     counts = torch.zeros(2, device=fabric.device)  # correct, counted
     with torch.no_grad():
         for data, target in loader:
-            counts += torch.tensor([(model(data).argmax(dim=-1) == target).sum().item(), len(target)],
-                                   device=fabric.device)
+            counts += torch.tensor(
+                [(model(data).argmax(dim=-1) == target).sum().item(), len(target)], device=fabric.device
+            )
     counts = fabric.all_reduce(counts, reduce_op="sum")
     model.train()
     return (counts[0] / counts[1]).item(), int(counts[1])
@@ -42,8 +44,12 @@ def main():
     torch.set_num_threads(args.threads)
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # Under torchrun Fabric joins the launched processes instead of starting its own.
-    fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu", strategy="ddp", devices=local_size,
-                    num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local_size)
+    fabric = Fabric(
+        accelerator="cuda" if torch.cuda.is_available() else "cpu",
+        strategy="ddp",
+        devices=local_size,
+        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // local_size,
+    )
     fabric.launch()
     fabric.seed_everything(args.seed)
 
@@ -74,8 +80,10 @@ def main():
         timer.pause()
         accuracy, val_samples = evaluate(fabric, model, val_loader)
         fabric.print(f"Epoch {epoch + 1}: val accuracy {accuracy:.4f} ({val_samples} samples)")
-        fabric.save(os.path.join(args.output_dir, "checkpoint.ckpt"),
-                    {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": epoch})
+        fabric.save(
+            os.path.join(args.output_dir, "checkpoint.ckpt"),
+            {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": epoch},
+        )
         scheduler.step()
         epoch += 1
 
@@ -83,8 +91,14 @@ def main():
     per_rank = [None] * fabric.world_size
     dist.all_gather_object(per_rank, rank_performance(timer))
     if fabric.is_global_zero:
-        write_final(args.output_dir, per_rank, baseline="fabric", world_size=fabric.world_size, step=step,
-                    val_samples=val_samples)
+        write_final(
+            args.output_dir,
+            per_rank,
+            baseline="fabric",
+            world_size=fabric.world_size,
+            step=step,
+            val_samples=val_samples,
+        )
     # gloo aborts a process that destroys its group while a peer still uses it: wait for every rank first.
     fabric.barrier()
     dist.destroy_process_group()

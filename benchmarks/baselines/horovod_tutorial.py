@@ -9,15 +9,16 @@ train the same thing and are timed the same way.
     horovodrun -np 2 --gloo python benchmarks/baselines/horovod_tutorial.py \
         --workload mnist-convnet --threads 1 --steps 160 --warmup-steps 10 --output-dir runs/hvd
 """
+
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS
 
 
 def main():

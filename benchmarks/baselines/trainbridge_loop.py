@@ -10,6 +10,7 @@ trains and is timed the same way.
     torchrun --standalone --nproc-per-node 2 benchmarks/baselines/trainbridge_loop.py \
         --workload mnist-convnet --threads 1 --steps 300 --warmup-steps 10 --output-dir runs/tb-loop
 """
+
 import os
 
 import torch
@@ -17,9 +18,9 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import StepLR
 
 import trainbridge as tb
-from trainbridge.cli.bench.configs import baseline_parser
-from trainbridge.cli.bench.measure import StepTimer, rank_performance, write_final
-from trainbridge.cli.bench.workloads import WORKLOADS
+from benchmarks.bench.configs import baseline_parser
+from benchmarks.bench.measure import StepTimer, rank_performance, write_final
+from benchmarks.bench.workloads import WORKLOADS
 
 
 @torch.no_grad()
@@ -28,7 +29,9 @@ def evaluate(job, model, dataset, batch_size, workers):
     model.eval()
     counts = torch.zeros(2, device=job.device)  # correct, counted
     for data, target in job.eval_loader(dataset, batch_size, num_workers=workers):
-        counts += torch.stack([(model(data).argmax(dim=-1) == target).sum(), torch.tensor(len(target), device=job.device)]).float()
+        counts += torch.stack(
+            [(model(data).argmax(dim=-1) == target).sum(), torch.tensor(len(target), device=job.device)]
+        ).float()
     model.train()
     correct, counted = job.allreduce(counts, "sum").tolist()
     return correct / counted, int(counted)
@@ -70,8 +73,14 @@ def main():
 
     per_rank = job.allgather_object(rank_performance(timer))
     if job.is_main:
-        write_final(args.output_dir, per_rank, baseline="trainbridge_loop", world_size=job.world_size, step=step,
-                    val_samples=val_samples)
+        write_final(
+            args.output_dir,
+            per_rank,
+            baseline="trainbridge_loop",
+            world_size=job.world_size,
+            step=step,
+            val_samples=val_samples,
+        )
     job.exit(0)
 
 

@@ -1,4 +1,7 @@
-"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data``, ``bench`` and ``build-horovod``."""
+"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data`` and ``build-horovod``.
+
+The peer bench is not a command of the installed package: it runs from a source checkout
+(``python -m benchmarks``), beside the baselines it compares with."""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
   doctor   versions, collective libraries, the detected launcher; --hosts A,B checks a multi-node set-up
   data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
-  bench    trainbridge under every launcher against hand-written baselines (--quick: smoke test)
   build-horovod  build Horovod against this torch and install it (Horovod 0.28.1 needs a fix to build)
 """
 
@@ -41,16 +43,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .data import main as data_main
 
         return data_main(rest)
-    if command == "bench":
-        from .bench.cli import main as bench_main
-
-        return bench_main(rest)
     if command == "build-horovod":
         from .build_horovod import main as build_horovod_main
 
         return build_horovod_main(rest)
     print(
-        f"trainbridge: error: unknown command {command!r}; use train, doctor, data, bench or build-horovod",
+        f"trainbridge: error: unknown command {command!r}; use train, doctor, data or build-horovod",
         file=sys.stderr,
     )
     return 2

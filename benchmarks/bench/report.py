@@ -90,7 +90,7 @@ def target_table(targets: List[Dict[str, Any]]) -> List[str]:
 def markdown(result: Dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
     out = [
-        f"# trainbridge bench ({s['mode']}, {s['repeats']} repeat{'s' if s['repeats'] != 1 else ''})",
+        f"# trainbridge peer bench ({s['mode']}, {s['repeats']} repeat{'s' if s['repeats'] != 1 else ''})",
         "",
         f"Command: `{result['command']}`",
         "",

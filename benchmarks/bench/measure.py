@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any, Dict, List
 
-from ...training.metrics import MetricsLog, StepTimer, peak_rss_mb
+from trainbridge.training.metrics import MetricsLog, StepTimer, peak_rss_mb
 
 __all__ = ["StepTimer", "rank_performance", "write_final", "read_final", "leave"]
 
@@ -30,7 +30,7 @@ def leave() -> None:
     GIL that the destructor holds): seen with Fabric and Accelerate on 3 ranks.
     Every row ends the same way, so that none fails or hangs for that reason.
     """
-    from ...api import exit_process
+    from trainbridge.api import exit_process
 
     exit_process(0)
 

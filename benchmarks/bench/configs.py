@@ -27,11 +27,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ...errors import UserError
-from ...launch.environment import available_cores
+from trainbridge.errors import UserError
+from trainbridge.launch.environment import available_cores
+
 from .workloads import WORKLOADS, Workload
 
-REPO_ROOT = Path(__file__).resolve().parents[3]  # trainbridge/cli/bench/configs.py -> the checkout
+REPO_ROOT = Path(__file__).resolve().parents[2]  # benchmarks/bench/configs.py -> the checkout
 BASELINES_DIR = REPO_ROOT / "benchmarks" / "baselines"
 
 
@@ -78,7 +79,7 @@ def skip_reason(config: BenchConfig) -> Optional[str]:
     kernel: 0.21x fp32 on MNIST, and past the 300 s limit on ResNet34 (an AVX2 EPYC).
     Such a run measures nothing the reference row is for and costs the bench minutes.
     """
-    from ...training.step import cpu_has_bf16  # imports torch: only when the matrix is run
+    from trainbridge.training.step import cpu_has_bf16  # imports torch: only when the matrix is run
 
     if config.needs_cpu_bf16 and not cpu_has_bf16():
         return "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX); run it with --only " + config.key
@@ -149,9 +150,6 @@ def build_matrix(
     horovodrun = [find_launcher("horovodrun") or "horovodrun", "-np", str(nproc)]
     # Open MPI refuses more ranks than cores unless told; the other launchers do not care.
     hvd_gloo, hvd_mpi = [*horovodrun, "--gloo", python], [*horovodrun, "--mpi", "--mpi-args=--oversubscribe", python]
-    for name in ("ddp_tutorial.py", "horovod_tutorial.py", "bare_loop.py", *PEER_SCRIPTS.values()):
-        if not (BASELINES_DIR / name).exists():
-            raise UserError(f"{BASELINES_DIR / name} is missing; trainbridge bench runs from a source checkout")
 
     def trainbridge(backend: str, threads: int) -> Tuple[str, ...]:
         return (

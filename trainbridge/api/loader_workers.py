@@ -82,40 +82,78 @@ def _live_workers() -> List[int]:
 
 
 def describe_workers() -> str:
-    """Where each DataLoader worker of this process waits: py-spy's dump of its stacks where py-spy is
-    installed (Python and native frames), else each thread's kernel wait channel; for a rank that is
-    about to end because its workers never delivered."""
-    py_spy = shutil.which("py-spy", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    """Where each DataLoader worker of this process waits, for a rank that is about to end because its
+    workers never delivered: per thread, its state, kernel wait and the library its instruction pointer is
+    in (read from /proc, which needs no unwinding); then py-spy's dump of its stacks where py-spy is
+    installed (native frames, or the Python ones where the unwinder fails on them, as seen: UNW_EBADREG).
+    The worker that never delivered usually has one thread; one that did also runs its queue's feeder."""
     parts = []
     for pid in _live_workers():
+        parts.append(f"DataLoader worker {pid}:\n" + "\n".join(f"  {line}" for line in _thread_waits(pid)))
+        py_spy = _tool("py-spy")
         if py_spy is not None:
-            try:
-                # Native frames first; where the unwinder fails on them (seen: UNW_EBADREG), the Python ones.
-                for native in (["--native"], []):
-                    dump = subprocess.run(
-                        [py_spy, "dump", *native, "--pid", str(pid)], capture_output=True, text=True, timeout=20
-                    )
-                    if dump.returncode == 0:
-                        break
-                parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.stdout}{dump.stderr}")
-                continue
-            except (OSError, subprocess.SubprocessError):
-                pass
-        parts.append(
-            f"DataLoader worker {pid}: " + ", ".join(_thread_waits(pid)) + " (pip install py-spy for its stacks)"
-        )
+            for native in (["--native"], []):
+                dump = _run([py_spy, "dump", *native, "--pid", str(pid)])
+                if dump.startswith("ok\n"):
+                    break
+            parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.split(chr(10), 1)[1]}")
+        else:
+            parts.append("(pip install py-spy for the workers' stacks)")
     return "\n".join(parts)
 
 
-def _thread_waits(pid: int) -> List[str]:
-    waits = []
+def _tool(name: str) -> Optional[str]:
+    return shutil.which(name, path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+
+
+def _run(command: List[str]) -> str:
+    """``command``'s output after a first line "ok" where it exited 0, else "failed"; never raises (on the way out)."""
     try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        return ("ok\n" if done.returncode == 0 else "failed\n") + done.stdout + done.stderr
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"failed\n{e}"
+
+
+def _thread_waits(pid: int) -> List[str]:
+    """One line per thread of ``pid``: state, kernel wait channel, system call and the mapped file its
+    instruction pointer is in."""
+    lines = []
+    try:
+        maps = _executable_maps(pid)
         for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
-            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                waits.append(f"thread {tid} in {f.read().strip() or 'nothing (running)'}")
+            task = f"/proc/{pid}/task/{tid}"
+            state = _read(f"{task}/stat").rsplit(")", 1)[-1].split()[:1]
+            syscall = _read(f"{task}/syscall").split()
+            where = ""
+            if len(syscall) >= 3 and syscall[-1].startswith("0x"):
+                ip = int(syscall[-1], 16)
+                where = next((name for low, high, name in maps if low <= ip < high), "an unmapped address")
+            lines.append(
+                f"thread {tid}: state {''.join(state) or '?'}, waits in {_read(f'{task}/wchan') or 'nothing'}, "
+                f"syscall {syscall[0] if syscall else '?'}, at {hex(ip) if where else '?'} in {where or '?'}"
+            )
     except OSError:
-        waits.append("gone")
-    return waits
+        lines.append("gone")
+    return lines
+
+
+def _executable_maps(pid: int) -> List[tuple]:
+    spans = []
+    for line in _read(f"/proc/{pid}/maps").splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "x" in fields[1]:
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((low, high, fields[5]))
+    return spans
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def kill_workers() -> None:

@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -108,20 +109,47 @@ def test_world_size_without_rank_is_one_line():
     assert result.returncode == 2
 
 
+def test_a_launcher_variable_that_is_not_a_number_is_one_line():
+    # Before: a raw ValueError traceback from int('abc').
+    result = run([PYTHON, "-c", "import trainbridge as tb; tb.init(); print('no error')"], timeout=60,
+                 env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"})
+    assert_one_line(result, r"the environment variable MASTER_PORT='abc' is not a whole number; set it to one")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
 NO_STOP_CHECK = str(Path(__file__).resolve().parent / "api_scripts" / "no_stop_check.py")
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def rank_process(job: Job, rank: int) -> psutil.Process:
+    """The no_stop_check.py worker of ``rank`` under a torchrun ``job``."""
+    for child in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            if NO_STOP_CHECK in child.cmdline() and child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.Error:
+            continue
+    pytest.fail(f"no worker with rank {rank}:\n{job.output()[-3000:]}")
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun", "torchrun, rank 1 only"])
 def test_sigterm_ends_a_loop_that_never_calls_should_stop(launcher, tmp_path):
-    # Sent to the whole process group, as SLURM and Kubernetes do. Before: the loop ran to its end, exit 0.
+    # Sent to the whole process group, as SLURM and Kubernetes do, or to one rank (a node-local
+    # eviction). Before: the loop ran to its end, exit 0.
     cmd = [PYTHON, NO_STOP_CHECK] if launcher == "python" else \
         [TORCHRUN, "--standalone", "--nproc-per-node=2", NO_STOP_CHECK]
     job = Job(cmd, tmp_path / "log")
     job.wait_for_output("training", timeout=60)
     signalled = time.monotonic()
-    os.killpg(job.proc.pid, signal.SIGTERM)
+    if launcher == "torchrun, rank 1 only":
+        time.sleep(1)  # rank 1 is past tb.init too (rank 0 printed after joining it), handler and all
+        rank_process(job, 1).send_signal(signal.SIGTERM)
+    else:
+        os.killpg(job.proc.pid, signal.SIGTERM)
     code = job.wait(timeout=60)
     assert time.monotonic() - signalled < 20, job.output()[-3000:]
     assert code != 0 and "finished" not in job.output(), job.output()[-3000:]
     if launcher == "python":
         assert code == -signal.SIGTERM  # the signal's own default action, as without trainbridge
+    if launcher == "torchrun, rank 1 only":  # torchrun's summary: rank 1 died of the signal first
+        assert re.search(r"Root Cause.*\n.*\n.*\n.*\n\s*rank\s*: 1 .*\n\s*exitcode\s*: -15 ", job.output()), \
+            job.output()[-3000:]

@@ -198,3 +198,32 @@ def test_no_validation_split_trains_without_evaluating(tmp_path):
     assert [r["epoch"] for r in rows if "event" not in r] == [1, 2] and rows[-1]["event"] == "final"
     assert not [k for r in rows for k in r if k.startswith("val_")], rows
     assert (out / "final.pt").exists() and (out / "last.pt").exists() and not (out / "best.pt").exists()
+
+
+PATH_OPTION = '''
+import dataclasses
+import pathlib
+
+from trainbridge.tasks import option
+
+
+class WithPath(Small):
+    @dataclasses.dataclass
+    class Options:
+        notes_dir: pathlib.Path = option(pathlib.Path("notes"), help="a folder", same_on_resume=True)
+'''
+
+
+def test_a_path_option_is_saved_as_its_string_and_the_run_resumes(tmp_path):
+    # Before: the checkpoint held a pathlib.Path, which torch.load(weights_only=True) refuses, so the
+    # resume called a good last.pt "corrupt or truncated" and moved it aside.
+    task = task_file(tmp_path, GOOD + PATH_OPTION).replace(":Small", ":WithPath")
+    out = tmp_path / "out"
+    args = ["--task", task, "--batch-size", "8", "--no-progress", "--notes-dir", str(tmp_path / "notes"),
+            "--output-dir", str(out)]
+    check(run(plain([*args, "--epochs", "1"]), timeout=90))
+    saved = torch.load(out / "last.pt", weights_only=True)["config"]["task_options"]
+    assert saved == {"notes_dir": str(tmp_path / "notes")}, saved
+    resumed = check(run(plain([*args, "--epochs", "2"]), timeout=90))
+    assert "resuming from" in resumed.stdout and "corrupt" not in resumed.stdout + resumed.stderr, resumed.stdout
+    assert not list(out.glob("*.corrupt")) and load_final(out)["epoch"] == 2

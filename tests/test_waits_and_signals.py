@@ -1,7 +1,8 @@
 """The watchdog bounds waits for the other ranks, never a rank's own work; signals reach DataLoader loops.
 
 Real torchrun (and plain python) runs of tests/api_scripts/waits.py, whose job timeout
-is 8 s, and of examples/own_loop.py with DataLoader workers.
+is 8 s, of examples/own_loop.py with DataLoader workers, and of trainbridge train's
+DesignSafe task with its default workers.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from conftest import PYTHON, TORCHRUN, Job, run
+from conftest import PYTHON, TORCHRUN, Job, run, torchrun
+from trainbridge.data.designsafe_sample import make_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 WAITS = str(ROOT / "tests" / "api_scripts" / "waits.py")
@@ -68,6 +70,19 @@ def test_ranks_in_different_calls_read_as_a_mismatch(tmp_path):
     assert not (tmp_path / "rank0.pt").exists()  # the file is written only once every rank has its state
 
 
+def test_a_rank_a_step_short_reads_as_a_mismatch(tmp_path):
+    # Rank 0 trains a third step while rank 1 goes to job.barrier. Before: both lines read
+    # "another rank probably died or stalled", though no rank had died.
+    result = waits("step_short", tmp_path)
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert lines, result.stderr[-3000:]
+    expected = {0: "in job.backward (the gradient average) at this process's step 2",
+                1: "in job.barrier at this process's step 2"}
+    for rank, line in lines.items():
+        assert expected[rank] in line and "probably died" not in line, line
+
+
 def test_a_rank_ended_by_a_failure_leaves_no_dataloader_worker_behind(tmp_path):
     # Workers stuck in __getitem__ (prefetching) while their rank fails. Before: they survived
     # their rank, kept the launcher's output pipe open, and the job never ended (a CI hang).
@@ -98,6 +113,26 @@ def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_p
     while alive(workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(workers)
+
+
+def test_sigterm_to_the_process_group_stops_designsafe_with_its_default_workers(tmp_path):
+    # trainbridge train's DesignSafe task starts DataLoader workers by default (the cores shared by the
+    # ranks). Before: SIGTERM to the group killed them and every rank died with "DataLoader worker
+    # (pid N) is killed by signal: Terminated", without a stop checkpoint.
+    sample, out = tmp_path / "sample", tmp_path / "out"
+    make_sample(str(sample), seed=0)
+    job = Job(torchrun(2, ["--task", "designsafe", "--no-pretrained", "--image-size", "64", "--batch-size", "8",
+                           "--epochs", "50", "--no-progress", "--data-root", str(sample), "--output-dir", str(out)]),
+              tmp_path / "log")
+    job.wait_for_output("[trainbridge] epoch 1 step", timeout=300)
+    workers = re.search(r"; (\d+) loader workers per rank", job.output())
+    assert workers and int(workers.group(1)) >= 1, job.output()[-3000:]
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code = job.wait(timeout=120)
+    log = job.output()
+    assert code != 0 and "killed by signal" not in log and "trainbridge: error" not in log, log[-3000:]
+    assert len(re.findall(r"stopped by SIGTERM after step \d+", log)) == 1, log[-3000:]
+    assert (out / "last.pt").exists() and not (out / "final.pt").exists()
 
 
 def alive(processes):

@@ -9,6 +9,7 @@ The job's timeout is 8 s. Each mode trains 2 steps of a small model first:
 * stuck_worker: DataLoader workers stuck in __getitem__ (prefetching), then rank 1
   stalls; the job must end (no worker may keep the launcher's output open).
 * stuck_read: the loop goes on to a batch that a stuck worker never delivers.
+* step_short: rank 0 trains a third step while rank 1, a step short, goes to job.barrier.
 """
 import os
 import sys
@@ -50,7 +51,8 @@ model, optimizer = job.prepare(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 workers = 2 if MODE.startswith("stuck") else 0
 loader = job.train_loader(Slow(), batch_size=2, num_workers=workers)
-for step, (x, y) in zip(range(6 if MODE == "stuck_read" else 2), loader):
+steps = 6 if MODE == "stuck_read" else 3 if MODE == "step_short" and job.rank == 0 else 2
+for step, (x, y) in zip(range(steps), loader):
     optimizer.zero_grad()
     job.backward(nn.functional.cross_entropy(model(x), y))
     job.step(optimizer)
@@ -67,6 +69,8 @@ elif MODE == "stall":
 elif MODE == "mismatch":
     if job.is_main:
         job.save({"model": model}, os.path.join(sys.argv[2], "rank0.pt"))
+    job.barrier()
+elif MODE == "step_short":
     job.barrier()
 elif MODE == "stuck_worker":
     if job.rank == 1:

@@ -9,7 +9,9 @@ from trainbridge.hvd.elastic import commit_file
 from trainbridge.hvd.engine import scaled
 from trainbridge.hvd.negotiation import Announcement, Message, NegotiationTable
 from trainbridge.hvd.process_sets import check_static_sets
-from trainbridge.hvd.reduce_ops import Adasum, Average, HorovodInternalError, Max, Sum, rejection_error, resolve_op
+from trainbridge.hvd import errors
+from trainbridge.hvd.errors import HorovodInternalError, rejection_error
+from trainbridge.hvd.reduce_ops import Adasum, Average, Max, Sum, resolve_op
 
 FLOAT_17 = Announcement("allreduce", ((17,),), ("torch.float32",))
 
@@ -87,6 +89,19 @@ def test_a_rank_that_rejects_its_input_fails_the_operation_on_every_rank_with_it
     error = rejection_error(decision.error_type, decision.error)
     assert isinstance(error, ValueError) and isinstance(error, IndexError)  # Horovod: ValueError / IndexError
     assert isinstance(rejection_error("TensorMismatchError", "x"), HorovodInternalError)
+
+
+def test_horovods_exception_types_are_in_errors_and_hvd_exports_the_one_horovod_names():
+    import trainbridge.hvd as hvd
+
+    assert hvd.HorovodInternalError is errors.HorovodInternalError
+    # Each is the type Horovod raises in its case, so Horovod users' except clauses keep working.
+    assert issubclass(errors.TensorMismatchError, HorovodInternalError)
+    assert issubclass(errors.UnsupportedOpError, HorovodInternalError)
+    assert issubclass(errors.UnsupportedOpError, ValueError)
+    assert issubclass(errors.ScalarInputError, ValueError) and issubclass(errors.ScalarInputError, IndexError)
+    assert issubclass(errors.UnregisteredProcessSetError, TypeError)
+    assert type(rejection_error("NoSuchType", "x")) is HorovodInternalError
 
 
 def test_ranks_that_add_different_process_sets_all_get_value_error():

@@ -91,6 +91,7 @@ else:
         synchronize,
     )
     from .compression import Compression
+    from .errors import HorovodInternalError
     from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
     from .optimizer import DistributedOptimizer
     from .process import (
@@ -108,5 +109,5 @@ else:
         stop_timeline,
     )
     from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-    from .reduce_ops import Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
+    from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
     from .sync_batch_norm import SyncBatchNorm

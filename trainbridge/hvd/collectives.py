@@ -29,10 +29,11 @@ import torch
 
 from .compression import Compression
 from .engine import SUPPORTED_DTYPES, Engine
+from .errors import ScalarInputError
 from .negotiation import Announcement
 from .process import runtime
 from .process_sets import ProcessSet, global_process_set, set_ranks
-from .reduce_ops import Average, ScalarInputError, Sum, resolve_op, resolve_reducescatter_op
+from .reduce_ops import Average, Sum, resolve_op, resolve_reducescatter_op
 
 _handles: Dict[int, Any] = {}
 _handle_ids = itertools.count(1)

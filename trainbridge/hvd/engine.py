@@ -56,8 +56,9 @@ import torch.distributed as dist
 from ..errors import first_line
 from ..runtime.timeout import DEFAULT_TIMEOUT_S
 from ..runtime.watchdog import WatchdogThread
+from .errors import HorovodInternalError, rejection_error
 from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
-from .reduce_ops import TORCH_REDUCE_OPS, Average, HorovodInternalError, rejection_error
+from .reduce_ops import TORCH_REDUCE_OPS, Average
 
 # gloo has no int16 kernels (and nccl no bool): such tensors travel widened.
 TRANSPORT_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}

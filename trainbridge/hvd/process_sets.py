@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .reduce_ops import UnregisteredProcessSetError
+from .errors import UnregisteredProcessSetError
 from .running_job import is_initialized, runtime
 
 DYNAMIC_VARIABLE = "HOROVOD_DYNAMIC_PROCESS_SETS"

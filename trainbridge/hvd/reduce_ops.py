@@ -1,4 +1,4 @@
-"""Reduction ops and error types, as ``horovod.torch`` names them.
+"""Reduction ops, as ``horovod.torch`` names them, and the checks of the op an operation is given.
 
 The op values are Horovod's own integers (Average=0 ... Product=5), so code that
 stores or compares them keeps working after the one-line migration.
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch.distributed as dist
+
+from .errors import UnsupportedOpError
 
 Average = 0
 """Reduction op: the sum over ranks divided by their number (the default of every reduction)."""
@@ -32,53 +34,6 @@ TORCH_REDUCE_OPS = {
     Max: dist.ReduceOp.MAX,
     Product: dist.ReduceOp.PRODUCT,
 }
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective could not complete: a peer failed, left, or the job shut down."""
-
-
-class TensorMismatchError(HorovodInternalError):
-    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots.
-
-    A HorovodInternalError, as in Horovod, whose ``synchronize`` raises that type for
-    every error its coordinator reports.
-    """
-
-
-class ScalarInputError(ValueError, IndexError):
-    """A 0-d tensor where a first dimension is needed (allgather, alltoall, reducescatter).
-
-    Horovod raises ValueError for reducescatter and IndexError for allgather; both catch this.
-    """
-
-
-class UnsupportedOpError(HorovodInternalError, ValueError):
-    """A reduction op the operation does not support (Horovod raises HorovodInternalError; ValueError reads better)."""
-
-
-class UnregisteredProcessSetError(ValueError, TypeError):
-    """A process set that was never registered or was removed (Horovod fails with a TypeError there)."""
-
-
-# Types a rank's rejected input may raise; its peers raise the same type (see negotiation.decide).
-REJECTION_TYPES = {
-    cls.__name__: cls
-    for cls in (
-        ValueError,
-        TypeError,
-        NotImplementedError,
-        ScalarInputError,
-        TensorMismatchError,
-        HorovodInternalError,
-        UnsupportedOpError,
-        UnregisteredProcessSetError,
-    )
-}
-
-
-def rejection_error(error_type: str, message: str) -> Exception:
-    return REJECTION_TYPES.get(error_type, HorovodInternalError)(message)
 
 
 def resolve_op(op: Optional[int], average: Optional[bool]) -> int:

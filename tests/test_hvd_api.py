@@ -1,7 +1,8 @@
 """``trainbridge.hvd`` passes Horovod's own PyTorch tests under every launcher.
 
-tests/hvd_scripts/horovod_suite.py holds the ported assertions (process sets, sparse tensors
-and every input Horovod rejects included). The same file runs under torchrun with 2 and 3
+tests/hvd_scripts/horovod_suite.py runs the ported assertions (tests/hvd_scripts/horovod_tests/, one
+module per Horovod API area; process sets, sparse tensors and every input Horovod rejects included).
+The same file runs under torchrun with 2 and 3
 processes (3: a process set of 2 out of 3) and mpirun (our torch backend), under horovodrun
 (where trainbridge.hvd *is* the real horovod.torch, which shows that the port expects exactly
 Horovod's behaviour), and as plain python (size 1). Every rank must report every check: PASS,
@@ -17,7 +18,9 @@ from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, 
 
 SCRIPTS = Path(__file__).parent / "hvd_scripts"
 SUITE = SCRIPTS / "horovod_suite.py"
-SUITE_TESTS = set(re.findall(r"^def (test_\w+)\(", SUITE.read_text(), flags=re.M))
+# Every check the suite must report: the test_* functions of its modules.
+SUITE_TESTS = {name for module in (SCRIPTS / "horovod_tests").glob("*.py")
+               for name in re.findall(r"^def (test_\w+)\(", module.read_text(), flags=re.M)}
 RESULT = re.compile(r"RESULT (\d+) (PASS|FAIL|NA) (\w+)")
 
 # Checks that Horovod's own suite skips for one process (they need a peer to disagree with or

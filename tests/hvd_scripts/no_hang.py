@@ -3,7 +3,7 @@
 Expects HOROVOD_STALL_CHECK_TIME_SECONDS=2 and HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=6. Each phase
 prints ``NOHANG <rank> <phase> ok <seconds>`` or ``NOHANG <rank> <phase> FAIL <why>``:
 
-* rejected: every input Horovod rejects (horovod_suite.REJECTED_INPUTS), given by every rank and
+* rejected: every input Horovod rejects (horovod_tests.rejected_inputs.REJECTED_INPUTS), given by every rank and
   by rank 0 alone (the others give a valid input of the same operation), raises Horovod's
   exception type on every rank within seconds;
 * stall_warning: rank 0 submits an allreduce 3.5 s after rank 1, whose watchdog warns on stderr
@@ -24,7 +24,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from horovod_suite import REJECTED_INPUTS  # noqa: E402  (sets HOROVOD_DYNAMIC_PROCESS_SETS too)
+from horovod_tests.rejected_inputs import REJECTED_INPUTS  # noqa: E402  (sets HOROVOD_DYNAMIC_PROCESS_SETS too)
 
 import trainbridge.hvd as hvd  # noqa: E402
 from trainbridge.hvd import engine as hvd_engine  # noqa: E402

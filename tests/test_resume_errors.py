@@ -1,6 +1,11 @@
-"""Bad checkpoints: one clear line, nothing good overwritten, a fallback when one exists."""
+"""Bad checkpoints: one clear line, nothing good overwritten, a fallback when one exists.
+
+Most tests start from the folder of one finished 1-epoch run (``one_epoch``, trained once per
+module): each works on a copy of it, and only reads the original.
+"""
 import shutil
 
+import pytest
 import torch
 
 from conftest import PLAIN_SGD, SAMPLE, check, load_final, plain, read_metrics, run
@@ -9,13 +14,28 @@ from test_bad_input import assert_one_clear_line
 QUICK = [*SAMPLE, *PLAIN_SGD, "--epochs", "2"]
 
 
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """The output folder of ``QUICK`` trained for 1 epoch: not to be written to (copy it with ``copy_of``)."""
+    out = tmp_path_factory.mktemp("one_epoch")
+    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(out)]), timeout=120))
+    return out
+
+
+def copy_of(run_dir, folder):
+    """``run_dir``'s files copied into ``folder`` (made if missing), as if that run had written them there."""
+    shutil.copytree(run_dir, folder, dirs_exist_ok=True)
+    return folder
+
+
 def truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
 
 
-def test_corrupt_last_falls_back_to_previous_and_says_so(tmp_path):
-    check(run(plain(QUICK + ["--output-dir", str(tmp_path)]), timeout=120))
+def test_corrupt_last_falls_back_to_previous_and_says_so(tmp_path, one_epoch):
+    # Epoch 2 on top of the 1-epoch run: last.pt holds epoch 2, previous.pt epoch 1.
+    check(run(plain(QUICK + ["--output-dir", str(copy_of(one_epoch, tmp_path))]), timeout=120))
     assert (tmp_path / "previous.pt").exists()
     truncate(tmp_path / "last.pt")
     corrupt_bytes = (tmp_path / "last.pt").read_bytes()
@@ -26,8 +46,8 @@ def test_corrupt_last_falls_back_to_previous_and_says_so(tmp_path):
     assert load_final(tmp_path)["epoch"] == 3
 
 
-def test_corrupt_checkpoint_without_fallback_stops(tmp_path):
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+def test_corrupt_checkpoint_without_fallback_stops(tmp_path, one_epoch):
+    copy_of(one_epoch, tmp_path)
     (tmp_path / "previous.pt").unlink(missing_ok=True)
     truncate(tmp_path / "last.pt")
     result = run(plain(QUICK + ["--output-dir", str(tmp_path)]), timeout=120)
@@ -35,10 +55,9 @@ def test_corrupt_checkpoint_without_fallback_stops(tmp_path):
     assert not (tmp_path / "last.pt").exists() and (tmp_path / "last.pt.corrupt").exists()
 
 
-def test_resume_path_that_is_corrupt_names_the_file_and_leaves_it(tmp_path):
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path / "a")]), timeout=120))
+def test_resume_path_that_is_corrupt_names_the_file_and_leaves_it(tmp_path, one_epoch):
     bad = tmp_path / "bad.pt"
-    shutil.copy(tmp_path / "a" / "last.pt", bad)
+    shutil.copy(one_epoch / "last.pt", bad)
     truncate(bad)
     before = bad.read_bytes()
     result = run(plain(QUICK + ["--resume", str(bad), "--output-dir", str(tmp_path / "b")]), timeout=120)
@@ -46,8 +65,8 @@ def test_resume_path_that_is_corrupt_names_the_file_and_leaves_it(tmp_path):
     assert bad.read_bytes() == before
 
 
-def test_checkpoint_of_another_model_names_the_keys(tmp_path):
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+def test_checkpoint_of_another_model_names_the_keys(tmp_path, one_epoch):
+    copy_of(one_epoch, tmp_path)
     result = run(plain(QUICK + ["--model", "convnet-bn", "--output-dir", str(tmp_path)]), timeout=120)
     assert_one_clear_line(result, r"is for another model: missing keys: .*1\.weight.*unexpected keys: .*")
     assert torch.load(tmp_path / "last.pt", weights_only=True)["config"]["model"] == "plaincnn"
@@ -58,21 +77,20 @@ def test_resume_path_that_does_not_exist(tmp_path):
     assert_one_clear_line(result, r"checkpoint .*nope.pt does not exist")
 
 
-def test_checkpoint_contents_load_with_weights_only(tmp_path):
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+def test_checkpoint_contents_load_with_weights_only(one_epoch):
     for name in ("last.pt", "best.pt", "final.pt"):
-        torch.load(tmp_path / name, weights_only=True)
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+        torch.load(one_epoch / name, weights_only=True)
+    ckpt = torch.load(one_epoch / "last.pt", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "sampler", "rng", "best", "config",
                 "backend", "world_size"):
         assert key in ckpt, key
     assert ckpt["sampler"] == {"seed": 1, "epoch": 1, "position": 0} and ckpt["epoch"] == 1
-    final_row = read_metrics(tmp_path)[-1]
+    final_row = read_metrics(one_epoch)[-1]
     assert len(ckpt["rng"]["torch"]) == 1 and ckpt["best"]["val_accuracy"] == final_row["val_accuracy"]
 
 
-def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_keeps_the_last(tmp_path):
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(tmp_path)]), timeout=120))
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_keeps_the_last(tmp_path, one_epoch):
+    copy_of(one_epoch, tmp_path)
     good = {p.name: p.read_bytes() for p in tmp_path.glob("*.pt")}
     assert "last.pt" in good
     # The next checkpoint hits a file size limit, as a full disk would: a real failed write

@@ -64,7 +64,9 @@ RANK_DIVERGENT = {
     "dataset-size": r"train_loader: the ranks disagree at \['dataset size'\] \(rank 0: 1000; rank 1: 1001\); "
                     r".*random_split",
     "seed": r"train_loader: the ranks disagree at \['seed'\] \(rank 0: 0; rank 1: 1\)",
+    "batch-size": r"train_loader: the ranks disagree at \['batch_size'\] \(rank 0: 10; rank 1: 11\)",
     "lr": r"the optimizer: the ranks disagree at \['param_groups'\]\[0\]\['lr'\] \(rank 0: 0\.1; rank 1: 0\.2\)",
+    "optimizer": r"the optimizer: the ranks disagree at \['type'\] \(rank 0: 'SGD'; rank 1: 'Adam'\)",
     "shapes": r"the model's parameters: the ranks disagree at \['0\.weight'\] \(rank 0: \(8, 4\); rank 1: \(9, 4\)\)",
     "allreduce-dtype": r"job\.allreduce's tensor: the ranks disagree at \['dtype'\] "
                        r"\(rank 0: 'torch\.float32'; rank 1: 'torch\.int32'\)",

@@ -1,7 +1,7 @@
 """Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
 
 Rank-divergent inputs (run under a launcher with 2 ranks):
-    dataset-size, seed, lr, shapes, allreduce-dtype, allreduce-shape
+    dataset-size, seed, batch-size, lr, optimizer, shapes, allreduce-dtype, allreduce-shape
 Misuse in one process:
     init-twice, prepare-twice, save-not-a-dict, save-rng-key, save-numpy, save-namespace,
     save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model
@@ -27,12 +27,15 @@ def main(mode: str, out: str) -> None:
     hidden = 8 + (rank if mode == "shapes" else 0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1 if mode == "lr" else 1))
+    if mode == "optimizer" and rank == 1:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     if mode == "init-twice":
         tb.init()
     model, optimizer = job.prepare(model, optimizer)
     if mode == "prepare-twice":
         job.prepare(model, optimizer)
-    loader = job.train_loader(data, batch_size=2.5 if mode == "batch-size-float" else 10,
+    batch_size = 2.5 if mode == "batch-size-float" else 10 + (rank if mode == "batch-size" else 0)
+    loader = job.train_loader(data, batch_size=batch_size,
                               seed=rank if mode == "seed" else 0)
     if mode == "allreduce-dtype":
         job.allreduce(torch.ones(3) if rank == 0 else torch.ones(3, dtype=torch.int32), "sum")

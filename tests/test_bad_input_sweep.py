@@ -123,8 +123,16 @@ def test_env_contract_without_a_launcher_is_one_job(tmp_path):
 
 
 # ----- 3. changed training options are not resumed silently ----------------------------------------
-def test_resume_with_changed_options_names_them(tmp_path):
-    check(run(plain([*QUICK, "--max-steps", "4", "--output-dir", str(tmp_path)]), timeout=120))
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """The folder of a finished 4-step run: the tests below resume from, or start over in, a copy of it."""
+    out = tmp_path_factory.mktemp("four_steps")
+    check(run(plain([*QUICK, "--max-steps", "4", "--output-dir", str(out)]), timeout=120))
+    return out
+
+
+def test_resume_with_changed_options_names_them(tmp_path, four_steps):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
     before = (tmp_path / "last.pt").read_bytes()
     result = run(plain([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
                         "--output-dir", str(tmp_path)]), timeout=120)
@@ -155,8 +163,8 @@ def test_fail_at_step_on_one_process_is_refused(tmp_path):
 
 
 # ----- 7. starting over never destroys the only good model ---------------------------------------------
-def test_resume_never_moves_the_finished_run_aside(tmp_path):
-    check(run(plain([*QUICK, "--max-steps", "6", "--output-dir", str(tmp_path)]), timeout=120))
+def test_resume_never_moves_the_finished_run_aside(tmp_path, four_steps):
+    shutil.copytree(four_steps, tmp_path, dirs_exist_ok=True)
     files = {name: (tmp_path / name).read_bytes() for name in ("best.pt", "last.pt", "final.pt", "metrics.jsonl")}
     result = check(run(plain([*QUICK, "--max-steps", "2", "--resume", "never", "--output-dir", str(tmp_path)]),
                        timeout=120))

@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun
+from trainbridge.cli.train import main as train_main
 
 QUICK = [*SAMPLE, "--max-steps", "2"]
 
@@ -49,14 +50,21 @@ def test_horovod_missing(tmp_path):
                                   r"trainbridge build-horovod builds and installs one against this torch")
 
 
-def test_missing_data_root(tmp_path):
-    result = run(plain(QUICK + ["--data-root", str(tmp_path / "nope"), "--output-dir", str(tmp_path)]), timeout=60)
+def train_in_process(args, capsys) -> subprocess.CompletedProcess:
+    """trainbridge train's main in this process, for options refused before any job starts: its exit status and
+    stderr, as a launch would give them."""
+    code = train_main(args)
+    return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
+
+def test_missing_data_root(tmp_path, capsys):
+    result = train_in_process(QUICK + ["--data-root", str(tmp_path / "nope"), "--output-dir", str(tmp_path)], capsys)
     assert_one_clear_line(result, r"--data-root .*nope does not exist")
 
 
 @pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--epochs", "0"), ("--max-steps", "-1")])
-def test_bad_numbers(flag, value, tmp_path):
-    result = run(plain(QUICK + [flag, value, "--output-dir", str(tmp_path)]), timeout=60)
+def test_bad_numbers(flag, value, tmp_path, capsys):
+    result = train_in_process(QUICK + [flag, value, "--output-dir", str(tmp_path)], capsys)
     assert_one_clear_line(result, rf"{flag} must be at least 1 \(got {value}\)")
 
 

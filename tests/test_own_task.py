@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from conftest import check, horovodrun, load_final, plain, read_metrics, run, torchrun
+from trainbridge.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = f"{ROOT}/examples/own_task.py:Wave"
@@ -56,10 +57,12 @@ def test_user_task_by_file_path_under_launchers(launcher, one_process, tmp_path)
     assert diff < 1e-5, diff
 
 
-def test_unknown_task_is_one_line(tmp_path):
+def test_unknown_task_is_one_line(tmp_path, capsys):
+    # Refused while the options are read, before any job starts: trainbridge train's main, in this process.
     for spec, words in ((f"{tmp_path}/missing.py:Task", "does not exist"), ("os:path", "not a subclass"),
                         (f"{ROOT}/examples/own_task.py:Nope", "has no 'Nope'")):
-        result = run(plain(["--task", spec, "--output-dir", str(tmp_path)]), timeout=60)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1 and words in lines[0], result.stderr
+        code = train_main(["--task", spec, "--output-dir", str(tmp_path)])
+        stderr = capsys.readouterr().err
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and words in lines[0], stderr
         assert lines[0].startswith("trainbridge: error:")

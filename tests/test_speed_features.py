@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
+from trainbridge.cli.train import main as train_main
 from trainbridge.training.step import cpu_bf16_warning
 
 from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
@@ -54,10 +55,11 @@ def test_accumulated_micro_batches_match_one_large_batch(launcher, one_batch_of_
     assert diff < 1e-5, f"{launcher}: 4 x 96 on 2 ranks vs 1 x 768: max abs weight difference {diff:.3g}"
 
 
-def test_accumulate_below_one_is_refused(tmp_path):
-    result = run(plain(COMMON + ["--accumulate", "0", "--output-dir", str(tmp_path)]), timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "trainbridge: error: --accumulate must be at least 1 (got 0)"
+def test_accumulate_below_one_is_refused(tmp_path, capsys):
+    # Refused before any job starts: trainbridge train's main, in this process.
+    assert train_main(COMMON + ["--accumulate", "0", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "trainbridge: error: --accumulate must be at least 1 (got 0)"
 
 
 # ----- --amp -----------------------------------------------------------------

@@ -83,6 +83,20 @@ def test_a_rank_a_step_short_reads_as_a_mismatch(tmp_path):
         assert expected[rank] in line and "probably died" not in line, line
 
 
+def test_a_stop_agreement_on_one_rank_only_reads_as_a_mismatch(tmp_path):
+    # Rank 0 calls job.should_stop, rank 1 never does and goes on to its second forward, where DDP
+    # takes rank 0's bucket order. Before: rank 1's line named no call (DDP's forward was not a
+    # named wait), so it could not be told from a rank that had died.
+    result = waits("stop_one_rank", tmp_path)
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert set(lines) == {0, 1}, result.stderr[-3000:]
+    expected = {0: "job.should_stop (the stop agreement) at this process's step 1",
+                1: "the prepared model's forward (DDP's bucket sync) at this process's step 1"}
+    for rank, line in lines.items():
+        assert expected[rank] in line, line
+
+
 def test_a_rank_ended_by_a_failure_leaves_no_dataloader_worker_behind(tmp_path):
     # Workers stuck in __getitem__ (prefetching) while their rank fails. Before: they survived
     # their rank, kept the launcher's output pipe open, and the job never ended (a CI hang).

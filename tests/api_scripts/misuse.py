@@ -31,7 +31,8 @@ def main(mode: str, out: str) -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     if mode == "init-twice":
         tb.init()
-    model, optimizer = job.prepare(model, optimizer)
+    compression = "fp16" if mode == "compression" and rank == 1 else "none"
+    model, optimizer = job.prepare(model, optimizer, compression=compression)
     if mode == "prepare-twice":
         job.prepare(model, optimizer)
     batch_size = 2.5 if mode == "batch-size-float" else 10 + (rank if mode == "batch-size" else 0)

@@ -10,6 +10,7 @@ The job's timeout is 8 s. Each mode trains 2 steps of a small model first:
   stalls; the job must end (no worker may keep the launcher's output open).
 * stuck_read: the loop goes on to a batch that a stuck worker never delivers.
 * step_short: rank 0 trains a third step while rank 1, a step short, goes to job.barrier.
+* stop_one_rank: only rank 0 calls job.should_stop (its stop agreement) before each step.
 """
 import os
 import sys
@@ -53,6 +54,8 @@ workers = 2 if MODE.startswith("stuck") else 0
 loader = job.train_loader(Slow(), batch_size=2, num_workers=workers)
 steps = 6 if MODE == "stuck_read" else 3 if MODE == "step_short" and job.rank == 0 else 2
 for step, (x, y) in zip(range(steps), loader):
+    if MODE == "stop_one_rank" and job.rank == 0:
+        job.should_stop()  # a collective rank 1 never calls
     optimizer.zero_grad()
     job.backward(nn.functional.cross_entropy(model(x), y))
     job.step(optimizer)

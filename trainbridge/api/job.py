@@ -190,7 +190,10 @@ class Job:
         branch some ranks take); those no rank used keep their gradient.
         """
         exchange = GradientExchange(
-            compression=compression, shm_allreduce=shm_allreduce, find_unused_parameters=find_unused_parameters
+            compression=compression,
+            shm_allreduce=shm_allreduce,
+            find_unused_parameters=find_unused_parameters,
+            waiting=self._waiting,
         )
         if any(model is prepared or self.unwrap(prepared) is model for prepared, _ in self._prepared):
             raise UserError(
@@ -222,6 +225,16 @@ class Job:
                 "give every rank the same optimizer and learning rate (scale it by the world size on every rank, "
                 "not by the rank)",
             )
+        self.backend.check_same_on_every_rank(
+            "job.prepare's options",
+            {
+                "amp": amp,
+                "compression": exchange.compression,
+                "shm_allreduce": exchange.shm_allreduce,
+                "find_unused_parameters": exchange.find_unused_parameters,
+            },
+            "pass the same amp, compression, shm_allreduce and find_unused_parameters to job.prepare on every rank",
+        )
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
         if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():

@@ -25,6 +25,10 @@ COMPRESSIONS = ("none", "fp16", "bf16")  # the dtype gradients travel in
 SHM_MODES = ("auto", "on", "off")
 
 
+def _unbounded(what: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientExchange:
     """How gradients are averaged; checked once, where it is built (``Job.prepare``).
@@ -39,6 +43,9 @@ class GradientExchange:
     compression: str = "none"
     shm_allreduce: str = "auto"
     find_unused_parameters: bool = False
+    # Bounds a wait for the other ranks inside the prepared model's forward, named by ``what``: the
+    # job's watchdog (``Job.prepare`` gives it). A backend whose forward waits for the ranks uses it.
+    waiting: Callable[[str], ContextManager[None]] = _unbounded
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,9 +83,14 @@ class PreparedDDP(DistributedDataParallel):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    _waiting: Callable[[str], ContextManager[None]]  # set by TorchBackend.wrap: the job's watchdog
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # DDP's forward waits for the other ranks once: at the second training step every rank takes
+        # rank 0's bucket order. A rank whose peers went to another collective waits here, so it is named.
         try:
-            return super().forward(*args, **kwargs)
+            with self._waiting("the prepared model's forward (DDP's bucket sync)"):
+                return super().forward(*args, **kwargs)
         except RuntimeError as exc:
             if "Expected to have finished reduction in the prior iteration" not in str(exc):
                 raise
@@ -167,6 +172,7 @@ class TorchBackend(Backend):
             **NO_FORWARD_BUFFER_SYNC,
             find_unused_parameters=exchange.find_unused_parameters,
         )
+        ddp._waiting = exchange.waiting
         shm = self.shm_exchange = self._shared_memory_exchange(model, exchange)
         if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced

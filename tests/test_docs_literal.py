@@ -34,6 +34,14 @@ PAGES = {  # page -> the output folders its commands must leave a finished run i
     "docs/guides/designsafe.md": (["runs/designsafe-sample", "runs/designsafe-sample-hvd"],
                                   ["is a SYNTHETIC sample"] * 2),
 }
+# Lines a page's commands may print, by design. The torchrun restart of the fault-tolerance page: the rank that
+# survives the injected failure may report it, in the one line of a dead peer, before torchrun's SIGTERM reaches
+# it (a race) and torchrun starts the workers again. Horovod elastic's survivors recover inside the run: no line.
+EXPECTED_ERRORS = {
+    "docs/guides/fault-tolerance.md": re.compile(
+        r"^trainbridge: error: rank 0: a collective failed \(.*\); another rank died, stalled or called a "
+        r"different operation .*\n", re.MULTILINE),
+}
 pytestmark = pytest.mark.e2e
 
 
@@ -41,17 +49,7 @@ def shell_blocks(page: Path) -> List[str]:
     return re.findall(rf"^{re.escape(SHELL_MARKER)}\n```bash\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL)
 
 
-ELASTIC_DUPLICATE_NAME = (
-    "known bug: after the injected failure the Horovod elastic survivor sometimes stops with Horovod's 'same name "
-    "as another tensor that is currently being processed' (docs/guides/fault-tolerance.md says so); the run still ends"
-)
-
-
-@pytest.mark.parametrize("page", [
-    pytest.param(page, marks=pytest.mark.xfail(reason=ELASTIC_DUPLICATE_NAME, strict=False))
-    if page == "docs/guides/fault-tolerance.md" else page
-    for page in PAGES
-])
+@pytest.mark.parametrize("page", list(PAGES))
 def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
     blocks = shell_blocks(ROOT / page)
     assert blocks, f"{page} has no block marked {SHELL_MARKER}"
@@ -66,7 +64,8 @@ def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
     result = run(["bash", "-c", script], timeout=900, env=env, cwd=str(tmp_path))
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-6000:]}"
-    assert "Traceback" not in output and "trainbridge: error" not in output, output[-6000:]
+    unexpected = EXPECTED_ERRORS[page].sub("", output) if page in EXPECTED_ERRORS else output
+    assert "Traceback" not in unexpected and "trainbridge: error" not in unexpected, unexpected[-6000:]
     folders, lines = PAGES[page]
     for folder in folders:
         assert (tmp_path / folder / "final.pt").is_file(), f"{folder} holds no finished run:\n{output[-3000:]}"

@@ -15,7 +15,12 @@ fake images) tripped its ``backward_passes_per_step`` count. Here, as in DDP:
 * a backward pass that reaches some but not all of a model's parameters is an
   error, unless ``find_unused_parameters``: then the ranks agree on which
   parameters any of them used; those get the average (zeros from the ranks that
-  did not use them) and the rest keep their gradient untouched (None stays None).
+  did not use them) and the rest keep their gradient untouched (None stays None);
+* a backward pass that raises (under Horovod elastic: a peer died, so the next
+  hook's allreduce fails) never reaches its end: the autograd engine drops the
+  queued callback. Its averages must be forgotten with ``abandon()`` before the
+  next backward pass, which otherwise would queue no callback of its own, wait
+  for none of its averages and send their names again while they are in flight.
 """
 
 from __future__ import annotations
@@ -82,6 +87,14 @@ class HookedAverage:
         if grad.is_sparse:  # averaged dense, as Horovod's sparse_as_dense
             grad = p.grad = grad.to_dense()
         self.pending[p] = self.start_average(grad, self.names[p])
+
+    def abandon(self) -> None:
+        """Forget a backward pass that raised before its end: none of its averages is waited for.
+
+        Its handles belong to the collective library's state before the failure (Horovod
+        elastic re-initialises it), so they are dropped, not waited on. A no-op between passes.
+        """
+        self.pending, self.finishing = {}, False
 
     def _finish(self) -> None:
         """End of a backward pass that reached the model: wait for every average to land in ``p.grad``."""

@@ -230,7 +230,21 @@ class HorovodBackend(Backend):
         # commit, re-form the ring with the workers that are left (or new ones),
         # receive rank 0's state, and call train_fn again.
         self.elastic_state = ElasticTrainState(self.hvd, state)
-        return self.hvd.elastic.run(lambda _: self._at_full_size(train_fn))(self.elastic_state)
+        return self.hvd.elastic.run(lambda _: self._attempt(train_fn))(self.elastic_state)
+
+    def _attempt(self, train_fn: Callable[[], T]) -> T:
+        """Each try of ``train_fn`` inside ``hvd.elastic.run``: the first, and one after each reset.
+
+        A peer that dies during a backward pass fails the next gradient hook's
+        allreduce, so that pass never reaches its end and its averages stay
+        pending: forget them (Horovod was re-initialised; their handles died with
+        it), as Horovod's own DistributedOptimizer clears its handles when the
+        elastic state is restored. Else no later backward pass would wait for its
+        averages, and each would send their names again while they are in flight.
+        """
+        for average in self._averages.values():
+            average.abandon()
+        return self._at_full_size(train_fn)
 
     def _at_full_size(self, train_fn: Callable[[], T]) -> T:
         """Train only with as many workers as the job started with.

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import psutil
 import pytest
@@ -30,6 +30,15 @@ TRAIN = ["-m", "trainbridge.train"]
 SAMPLE = ["--dataset", "mnist-sample", "--no-progress"]
 # A small deterministic model and optimizer for runs whose weights are compared.
 PLAIN_SGD = ["--model", "plaincnn", "--optimizer", "sgd", "--batch-size", "100"]
+# The parity run: 12 steps of plaincnn and SGD; 2 processes with a batch of 32 each must end with the weights of
+# one process with 64 (test_parity.py), and of the single-host run on two hosts (test_multihost.py).
+PARITY_STEPS, PARITY_BATCH = 12, 32
+PARITY = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--max-steps", str(PARITY_STEPS),
+          "--dataset", "mnist-sample", "--seed", "5", "--no-progress"]
+# A short 2-rank run of plaincnn and SGD in float32 under torchrun: the reference that test_speed_features'
+# --amp and --compression runs move away from, and the launched job whose start-up line test_malloc_tuning reads.
+SHORT_SGD = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "7",
+             "--no-progress", "--max-steps", "8", "--batch-size", "32"]
 
 
 def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -189,3 +198,20 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----- runs that tests in several modules check, each started once per session -----------------------------
+@pytest.fixture(scope="session")
+def parity_spawn_run(tmp_path_factory) -> Path:
+    """The parity run on 2 processes of trainbridge's --nproc spawner (batch 32 each): its output folder."""
+    out = tmp_path_factory.mktemp("parity_spawn")
+    check(run(plain(PARITY + ["--batch-size", str(PARITY_BATCH), "--nproc", "2", "--output-dir", str(out)]),
+              timeout=180))
+    return out
+
+
+@pytest.fixture(scope="session")
+def short_sgd_torchrun_run(tmp_path_factory) -> Tuple[Path, subprocess.CompletedProcess]:
+    """``SHORT_SGD`` under torchrun with 2 processes: its output folder and the launch's output."""
+    out = tmp_path_factory.mktemp("short_sgd_torchrun")
+    return out, check(run(torchrun(2, SHORT_SGD + ["--output-dir", str(out)]), timeout=180))

@@ -72,10 +72,10 @@ def test_malloc_tuning_off_changes_nothing():
     assert tune_malloc("off", {}) == (False, 'malloc_tuning="off"')
 
 
-def test_a_launched_job_applies_and_reports_the_setting(tmp_path):
-    args = SHORT_RUN + ["--output-dir"]
-    tuned = check(run(torchrun(2, args + [str(tmp_path / "tuned")]), timeout=180))
+def test_a_launched_job_applies_and_reports_the_setting(tmp_path, short_sgd_torchrun_run):
+    # A torchrun job with glibc's defaults: conftest's session run (test_speed_features' fp32 reference).
+    _, tuned = short_sgd_torchrun_run
     assert "malloc tuned: mmap threshold 32 MiB, trim threshold 1 GiB" in tuned.stdout
-    kept = check(run(torchrun(2, args + [str(tmp_path / "kept")]), timeout=180,
+    kept = check(run(torchrun(2, SHORT_RUN + ["--output-dir", str(tmp_path / "kept")]), timeout=180,
                      env={"MALLOC_TRIM_THRESHOLD_": "131072"}))
     assert "malloc left as is: the user's MALLOC_TRIM_THRESHOLD_" in kept.stdout

@@ -22,7 +22,8 @@ from typing import Dict, List, Optional
 import psutil
 import pytest
 
-from conftest import HOROVODRUN, PYTHON, TORCHRUN, TRAIN, check, launcher_env, load_final, max_abs_diff, read_metrics, run
+from conftest import (HOROVODRUN, PARITY, PARITY_BATCH, PARITY_STEPS, PYTHON, TORCHRUN, TRAIN, check, launcher_env,
+                      load_final, max_abs_diff, read_metrics, run)
 from multihost.hosts import IFACE, Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers, run_on
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
@@ -31,9 +32,10 @@ from multihost.sshd import SSHD, SshdPerHost
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
-K, B = 12, 32
-PARITY = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--max-steps", str(K), "--batch-size", str(B),
-          "--dataset", "mnist-sample", "--seed", "5", "--threads", "1", "--no-progress"]
+K, B = PARITY_STEPS, PARITY_BATCH
+# The parity run of test_parity.py, one rank per host; --threads 1, or each host's one rank would take every core of
+# the one machine the two hosts share.
+PARITY = [*PARITY, "--batch-size", str(B), "--threads", "1"]
 OWN = ["--float64", "--epochs", "1"]  # 25 steps of a global batch of 60
 TOLERANCE = 1e-5
 RUN_TIMEOUT = 180
@@ -51,12 +53,12 @@ def hosts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> Dict[str, dict]:
-    """Final weights of the single-host 2-process runs (trainbridge's --nproc 2 spawner)."""
-    parity, own = tmp_path_factory.mktemp("ref_parity"), tmp_path_factory.mktemp("ref_own")
-    check(run([PYTHON, *TRAIN, *PARITY, "--nproc", "2", "--output-dir", str(parity)], timeout=RUN_TIMEOUT))
+def references(tmp_path_factory, parity_spawn_run) -> Dict[str, dict]:
+    """Final weights of the single-host 2-process runs (trainbridge's --nproc 2 spawner; the parity run's is
+    test_parity's, started once per session)."""
+    own = tmp_path_factory.mktemp("ref_own")
     check(run([PYTHON, OWN_LOOP, *OWN, "--nproc", "2", "--output-dir", str(own)], timeout=RUN_TIMEOUT))
-    return {"parity": load_final(parity)["model"], "own": load_final(own)["model"]}
+    return {"parity": load_final(parity_spawn_run)["model"], "own": load_final(own)["model"]}
 
 
 def programs(out: Path) -> Dict[str, List[str]]:

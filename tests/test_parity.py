@@ -6,11 +6,11 @@ match one process with batch 2B to 1e-5 (max absolute difference).
 import pytest
 import torch
 
-from conftest import check, horovodrun, load_final, mpirun, plain, read_metrics, run, torchrun
+from conftest import (PARITY, PARITY_BATCH, PARITY_STEPS, check, horovodrun, load_final, mpirun, plain, read_metrics,
+                      run, torchrun)
 
-K, B = 12, 32
-COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--max-steps", str(K),
-          "--dataset", "mnist-sample", "--seed", "5", "--no-progress"]
+K, B = PARITY_STEPS, PARITY_BATCH
+COMMON = PARITY
 
 RUNS = {
     "torchrun": lambda a: torchrun(2, a + ["--batch-size", str(B)]),
@@ -18,7 +18,7 @@ RUNS = {
     "horovodrun-mpi": lambda a: horovodrun(2, "mpi", a + ["--batch-size", str(B)]),
     "mpirun-torch": lambda a: mpirun(2, a + ["--batch-size", str(B), "--backend", "torch"]),
     "horovodrun-torch": lambda a: horovodrun(2, "gloo", a + ["--batch-size", str(B), "--backend", "torch"]),
-    "spawn": lambda a: plain(a + ["--batch-size", str(B), "--nproc", "2"]),
+    "spawn": None,  # --nproc 2: started once per session by conftest's parity_spawn_run (test_multihost's reference)
 }
 EXPECTED_BACKEND = {"torchrun": "torch", "horovodrun-gloo": "horovod", "horovodrun-mpi": "horovod",
                     "mpirun-torch": "torch", "horovodrun-torch": "torch", "spawn": "torch"}
@@ -33,10 +33,14 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_two_processes_match_one_process_with_twice_the_batch(name, reference, tmp_path):
-    check(run(RUNS[name](COMMON + ["--output-dir", str(tmp_path)]), timeout=180))
-    final = load_final(tmp_path)
-    metrics = read_metrics(tmp_path)[-1]
+def test_two_processes_match_one_process_with_twice_the_batch(name, reference, tmp_path, request):
+    if RUNS[name] is None:
+        out = request.getfixturevalue("parity_spawn_run")
+    else:
+        out = tmp_path
+        check(run(RUNS[name](COMMON + ["--output-dir", str(out)]), timeout=180))
+    final = load_final(out)
+    metrics = read_metrics(out)[-1]
     assert (metrics["backend"], metrics["world_size"], final["step"]) == (EXPECTED_BACKEND[name], 2, K)
     assert not any(key.startswith("module.") for key in final["model"])
     assert final["model"].keys() == reference["model"].keys()

@@ -15,7 +15,7 @@ from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
 from trainbridge.cli.train import main as train_main
 from trainbridge.training.step import cpu_bf16_warning
 
-from conftest import (PYTHON, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
+from conftest import (PYTHON, SHORT_SGD, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
                       torchrun)
 
 SCRIPTS = Path(__file__).parent / "speed_scripts"
@@ -67,10 +67,10 @@ STEPS = ["--max-steps", "8", "--batch-size", "32"]
 
 
 @pytest.fixture(scope="module")
-def fp32_two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp32")
-    check(run(torchrun(2, COMMON + STEPS + ["--output-dir", str(out)]), timeout=180))
-    return load_final(out)
+def fp32_two_ranks(short_sgd_torchrun_run):
+    """COMMON + STEPS in float32 under torchrun: conftest's SHORT_SGD run, started once per session."""
+    assert COMMON + STEPS == SHORT_SGD
+    return load_final(short_sgd_torchrun_run[0])
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])

@@ -21,6 +21,7 @@ from trainbridge.data.designsafe_sample import make_sample
 ROOT = Path(__file__).resolve().parent.parent
 WAITS = str(ROOT / "tests" / "api_scripts" / "waits.py")
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
+OWN_LOOP_HELD = str(ROOT / "tests" / "api_scripts" / "own_loop_held.py")
 
 
 def waits(mode: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -179,8 +180,12 @@ def test_a_stop_agreed_at_an_epoch_end_is_not_lost():
 def test_ctrl_c_under_tb_spawn_stops_the_workers_in_order(tmp_path):
     # Ctrl-C: SIGINT to the terminal's whole process group. Before: a KeyboardInterrupt traceback
     # from the parent and from every worker, interleaved, and no stop checkpoint.
-    job = Job([PYTHON, OWN_LOOP, "--nproc", "2", "--epochs", "12", "--output-dir", str(tmp_path)], tmp_path / "log")
-    job.wait_for_output("epoch 1 step 25", timeout=120)
+    # The workers hold after step 30 until their SIGTERM (the parent's answer to Ctrl-C) arrives: the example's
+    # 300 steps take seconds, and a signal sent later on a busy machine found training over (seen: exit 0).
+    job = Job([PYTHON, OWN_LOOP_HELD, "--nproc", "2", "--epochs", "12", "--output-dir", str(tmp_path)],
+              tmp_path / "log", env={"HOLD_RANKS": "0,1"})
+    job.wait_for_output("rank 1 holds after step 30", timeout=120)
+    job.wait_for_output("rank 0 holds after step 30", timeout=60)
     os.killpg(job.proc.pid, signal.SIGINT)
     code = job.wait(timeout=90)
     log = job.output()

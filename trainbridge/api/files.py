@@ -142,16 +142,17 @@ def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[
         atomic_copy(paths[0], path)
 
 
-def host_copy(obj: Any) -> Any:
-    """``obj`` with every tensor copied to host memory: a snapshot that training can no longer change."""
+def host_copy(obj: Any, copy: bool = True) -> Any:
+    """``obj`` with every tensor in host memory. ``copy=True`` copies host tensors too: a snapshot
+    that training can no longer change; ``copy=False`` moves only device tensors."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
+        return {k: host_copy(v, copy) for k, v in obj.items()}
     if hasattr(obj, "_fields"):  # a named tuple: built from its fields, not from one iterable
-        return type(obj)(*(host_copy(v) for v in obj))
+        return type(obj)(*(host_copy(v, copy) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
+        return type(obj)(host_copy(v, copy) for v in obj)
     return obj
 
 

@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
 from ..random_state import rng_state, seed_everything, set_rng_state
-from .files import BackgroundWriter, read_file, save_all, state_mismatch, unloadable_value
+from .files import BackgroundWriter, host_copy, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader, dataset_size
 from .model_checks import check_freezing_spelled_right
 from .process_end import current, excepthook, exit_process
@@ -478,8 +478,10 @@ class Job:
         Values with a ``state_dict()`` (models, wrapped or not, optimizers,
         schedulers, GradScalers, train loaders) are saved as their state; others
         as they are. Every rank's RNG state is added, so :meth:`load` continues
-        dropout and augmentation exactly. ``keep_previous``: first move the file
-        being replaced there. ``copies``: also write the same state to these paths.
+        dropout and augmentation exactly. Tensors are written in host memory, so
+        the file loads on a machine without a GPU; :meth:`load` puts them back on
+        the job's device. ``keep_previous``: first move the file being replaced
+        there. ``copies``: also write the same state to these paths.
 
         ``background=True``: the main rank copies the state to host memory and
         writes it on a thread while training goes on. The next save, :meth:`load`,
@@ -518,7 +520,9 @@ class Job:
             return
         if self.is_main:
             self._writer.wait()  # writes land in order
-            save_all(state, paths, keep_previous=keep_previous)
+            # GPU tensors are written as host tensors, as a background save writes them: the file is the
+            # same either way, and a machine without a GPU reads it without map_location.
+            save_all(host_copy(state, copy=False), paths, keep_previous=keep_previous)
         if not background:
             with self._waiting(f"job.save({path!r})"):
                 self.backend.barrier()  # the file is complete before any rank may read it

@@ -1,13 +1,16 @@
 """The train loader behaves like a DataLoader over an epoch, trains whole global batches, and resumes bitwise.
 
-In-process tests build :class:`TrainLoader` directly (pure: no process group). The
-last test launches tests/api_scripts/dataset_sizes.py under real launchers: at
-dataset sizes that are not a multiple of the global batch every world size must
-train the same samples and end with one process's weights.
+In-process tests build :class:`TrainLoader` directly (pure: no process group). Others
+launch tests/api_scripts/dataset_sizes.py under real launchers: at dataset sizes that
+are not a multiple of the global batch every world size must train the same samples and
+end with one process's weights. The last checks, under torchrun, that gloo's threads
+leave a forked worker nothing to deadlock on.
 """
 import multiprocessing
 import random
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from torch.utils.data import Dataset
 import trainbridge as tb
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, run
 from trainbridge.api.loaders import EvalLoader, TrainLoader
+from trainbridge.runtime.gloo_threads import AFFECTED as GLOO_THREAD_STATES_KEPT
 
 CPU = torch.device("cpu")
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "dataset_sizes.py")
@@ -427,3 +431,19 @@ def test_killing_the_workers_on_the_way_out_is_not_read_as_a_failed_worker():
         assert not multiprocessing.active_children()
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+GLOO_THREADS = str(Path(__file__).resolve().parent / "api_scripts" / "gloo_thread_states.py")
+
+
+@pytest.mark.skipif(not GLOO_THREAD_STATES_KEPT, reason=f"Python {sys.version.split()[0]} resets its thread-list lock "
+                    "in a forked child first (CPython gh-112275 fixed): gloo's threads need no state of their own")
+@pytest.mark.parametrize("api", ["tb", "hvd"])
+def test_gloo_threads_make_no_thread_state_that_a_forked_loader_worker_could_inherit_locked(api):
+    # CI once had an evaluation loader's worker stuck for good inside os.fork: a gloo thread was making
+    # a Python thread state (to free a tensor of a finished collective) at that instant. Before the fix,
+    # 128-283 thread states were made per rank during these 200 collectives; each one a chance of that.
+    out = check(run([TORCHRUN, "--standalone", "--nproc-per-node=2", GLOO_THREADS, *(["hvd"] if api == "hvd" else [])],
+                    timeout=120)).stdout
+    made = re.findall(r"rank \d: (\d+) thread states made during 200 collectives", out)
+    assert made == ["0", "0"], out[-2000:]

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, first_line
 from ..launch.rendezvous import join_process_group
+from ..runtime.gloo_threads import keep_thread_states
 from .base import REDUCE_OPS, Backend, GradientExchange
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
@@ -113,6 +114,8 @@ class TorchBackend(Backend):
         self.pg_backend = "nccl" if self.device.type == "cuda" and self.dist_backend != "gloo" else "gloo"
         # A TCPStore on rank 0's address; ranks launched with different sizes fail with both numbers.
         join_process_group(self.env, self.pg_backend, self.timeout)
+        if self.pg_backend == "gloo":
+            keep_thread_states()  # so that forking DataLoader workers cannot deadlock (see there)
 
     def describe_failure(self, exc: BaseException) -> "str | None":
         text = str(exc)

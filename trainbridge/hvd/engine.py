@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import first_line
+from ..runtime.gloo_threads import keep_thread_states
 from ..runtime.timeout import DEFAULT_TIMEOUT_S
 from ..runtime.watchdog import WatchdogThread
 from .errors import HorovodInternalError, rejection_error
@@ -441,6 +442,8 @@ class Engine:
         cuda = None
         if self._cuda is not None:
             cuda = dist.new_group(ranks=list(ranks), backend="nccl", timeout=timeout)
+        if self.rank in ranks:
+            keep_thread_states(gloo)
         self._set_groups[set_id] = (gloo, cuda)
         self.process_sets[set_id] = ranks
         if self.rank in ranks:  # the set negotiates among its members only, on its own thread

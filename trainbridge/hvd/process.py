@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..launch import detect_launch
 from ..launch.rendezvous import join_process_group
+from ..runtime.gloo_threads import keep_thread_states
 from ..runtime.timeout import timeout_from_environ
 from . import running_job
 from .engine import Engine
@@ -78,6 +79,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         # device choice: as with Horovod, the script calls torch.cuda.set_device itself,
         # so the default group is gloo (the engine adds an nccl group for CUDA tensors).
         join_process_group(env, "gloo", timeout=timeout)
+        keep_thread_states()
         _owns_default_group = True
     rank, size = dist.get_rank(), dist.get_world_size()
     # The negotiation group's timeout is the stall shutdown limit: a peer that stops
@@ -88,6 +90,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda_group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=timeout))
         groups.append(cuda_group)
+    keep_thread_states(control)
     # Horovod's cross rank/size: the ranks that share this process's local rank, one per node.
     # The static process sets travel along, so that every rank checks them the same way.
     local_rank, local_size = env.local_rank, env.local_size

@@ -1,0 +1,55 @@
+"""Under torchrun: how many Python thread states appear while a loop's collectives run on gloo.
+
+A collective on a tensor that Python drops at once (``dist.all_reduce(torch.tensor(x))``
+in an evaluation, what users write) leaves gloo's worker thread to free it, under the GIL.
+A worker thread without a thread state of its own makes one for that, under the lock that
+a child forked at that instant inherits held on Python 3.10 < 3.10.15 and 3.11 < 3.11.10.
+Thread states are numbered in order of creation, so the numbers of two threads started
+before and after the loop say how many were made in between.
+"""
+import ctypes
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+import trainbridge as tb
+
+ctypes.pythonapi.PyThreadState_Get.restype = ctypes.c_void_p
+ctypes.pythonapi.PyThreadState_GetID.argtypes = [ctypes.c_void_p]
+ctypes.pythonapi.PyThreadState_GetID.restype = ctypes.c_uint64
+
+
+def next_thread_state_number() -> int:
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(ctypes.pythonapi.PyThreadState_GetID(
+        ctypes.pythonapi.PyThreadState_Get())))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+if sys.argv[1:] == ["hvd"]:  # trainbridge.hvd, whose engine adds gloo groups of its own
+    import trainbridge.hvd as hvd
+
+    hvd.init()
+    before = next_thread_state_number()
+    for step in range(100):
+        hvd.allreduce(torch.tensor([float(step)]), name=f"a{step}")
+        hvd.synchronize(hvd.allreduce_async(torch.ones(2), name=f"b{step}"))
+    hvd.barrier()
+    after = next_thread_state_number()
+    rank = hvd.rank()
+    hvd.shutdown()
+else:
+    job = tb.init()
+    before = next_thread_state_number()
+    for step in range(100):
+        dist.all_reduce(torch.tensor([float(step)]))  # the tensor is Python's only until the call returns
+        dist.all_reduce(torch.ones(2), async_op=True)  # not even waited for
+    job.barrier()
+    after = next_thread_state_number()
+    rank = job.rank
+    job.shutdown()
+print(f"rank {rank}: {after - before - 1} thread states made during 200 collectives", flush=True)

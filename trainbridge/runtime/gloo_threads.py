@@ -1,0 +1,59 @@
+"""Give gloo's worker threads a Python thread state they keep, so that forking a DataLoader worker cannot deadlock.
+
+Why: a gloo process group runs each collective on one of its worker threads (2 by
+default), and that thread drops its references to the collective's tensors when it is
+done. A tensor that Python already let go of is then freed there, under the GIL, and a
+thread without a Python thread state makes one for it, taking the interpreter's lock on
+its thread list (``HEAD_LOCK``) while it does so. Python 3.10 before 3.10.15 and 3.11
+before 3.11.10 take that lock again in a forked child before they reset it
+(CPython gh-112275): a DataLoader worker forked in that instant waits for it forever,
+inside ``os.fork``. It was seen in CI, one evaluation loader in some hundreds.
+
+The fix for those Pythons: each worker thread makes its thread state once, here, and keeps
+it (``PyGILState_Ensure`` without a release), so it never takes that lock again. Each
+thread is reached through a callback on a collective's future, which gloo runs on the
+worker thread that completed it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Any, Set
+
+# CPython gh-112275: fixed in 3.10.15, 3.11.10 and every 3.12.
+AFFECTED = (3, 10) <= sys.version_info[:3] < (3, 10, 15) or (3, 11) <= sys.version_info[:3] < (3, 11, 10)
+MAX_ROUNDS = 50
+
+
+def keep_thread_states(group: Any = None) -> None:
+    """Collective over ``group`` (a gloo process group; None: the default one): on an affected Python,
+    every worker thread of this rank's gloo backend gets a Python thread state it keeps."""
+    import torch
+    import torch.distributed as dist
+
+    if not AFFECTED:
+        return
+    backend: Any = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    threads = backend.options._threads
+    kept: Set[int] = set()
+    main = threading.get_ident()
+
+    def keep(future: Any) -> Any:
+        ident = threading.get_ident()
+        if ident != main and ident not in kept:
+            ctypes.pythonapi.PyGILState_Ensure()  # never released: this thread keeps its state
+            kept.add(ident)
+        return future.value()
+
+    for _ in range(MAX_ROUNDS):
+        # As many collectives at once as there are worker threads, so that each may take one.
+        works = [dist.all_reduce(torch.zeros(1), group=group, async_op=True) for _ in range(threads)]
+        for future in [work.get_future().then(keep) for work in works]:
+            future.wait()
+        # Every rank goes on until every rank has reached all of its threads: the same rounds everywhere.
+        missing = torch.tensor([threads - len(kept)], dtype=torch.int32)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+        if missing.item() <= 0:
+            return

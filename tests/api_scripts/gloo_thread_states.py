@@ -1,9 +1,10 @@
-"""Under torchrun: how many Python thread states appear while a loop's collectives run on gloo.
+"""How many Python thread states appear while a loop's collectives run (on gloo's threads, or Horovod's).
 
-A collective on a tensor that Python drops at once (``dist.all_reduce(torch.tensor(x))``
-in an evaluation, what users write) leaves gloo's worker thread to free it, under the GIL.
-A worker thread without a thread state of its own makes one for that, under the lock that
-a child forked at that instant inherits held on Python 3.10 < 3.10.15 and 3.11 < 3.11.10.
+gloo's worker thread releases a collective's tensors when it is done, under the GIL (here
+tensors that Python drops at once, ``dist.all_reduce(torch.tensor(x))`` as users write it in
+an evaluation). A worker thread without a thread state of its own makes one for that, under
+the lock that a child forked at that instant inherits held on Python 3.10 < 3.10.15 and
+3.11 < 3.11.10.
 Thread states are numbered in order of creation, so the numbers of two threads started
 before and after the loop say how many were made in between.
 """
@@ -42,6 +43,15 @@ if sys.argv[1:] == ["hvd"]:  # trainbridge.hvd, whose engine adds gloo groups of
     after = next_thread_state_number()
     rank = hvd.rank()
     hvd.shutdown()
+elif sys.argv[1:] == ["job"]:  # the API on any backend (under horovodrun: the real Horovod's background thread)
+    job = tb.init()
+    before = next_thread_state_number()
+    for step in range(100):
+        job.allreduce(torch.tensor([float(step)]), op="sum")  # a check (an object gather), then the allreduce
+    job.barrier()
+    after = next_thread_state_number()
+    rank = job.rank
+    job.shutdown()
 else:
     job = tb.init()
     before = next_thread_state_number()
@@ -52,4 +62,5 @@ else:
     after = next_thread_state_number()
     rank = job.rank
     job.shutdown()
-print(f"rank {rank}: {after - before - 1} thread states made during 200 collectives", flush=True)
+print(f"rank {rank}: {after - before - 1} thread states made during {'300' if sys.argv[1:] == ['job'] else '200'} "
+      f"collectives", flush=True)

@@ -19,6 +19,7 @@ from ..errors import UserError, first_line
 from ..launch import LaunchEnv
 from .base import REDUCE_OPS, Backend, GradientExchange
 from .grad_hooks import HookedAverage
+from .horovod_thread_state import keep_background_thread_state
 
 T = TypeVar("T")
 
@@ -123,8 +124,9 @@ class HorovodBackend(Backend):
         self.hvd = import_horovod()
         self.hvd.init()
         self.full_size = self.hvd.size()
-        if not self.elastic:
+        if not self.elastic:  # elastic: no collectives outside hvd.elastic.run (see wrap)
             self._check_world_size(self.hvd.size())
+            keep_background_thread_state(self.hvd)  # so that forking DataLoader workers cannot deadlock (see there)
 
     def _check_world_size(self, seen: int) -> None:
         """Fail fast when the collective library and the launcher disagree on the size."""

@@ -2,9 +2,10 @@
 
 Why: a gloo process group runs each collective on one of its worker threads (2 by
 default), and that thread drops its references to the collective's tensors when it is
-done. A tensor that Python already let go of is then freed there, under the GIL, and a
-thread without a Python thread state makes one for it, taking the interpreter's lock on
-its thread list (``HEAD_LOCK``) while it does so. Python 3.10 before 3.10.15 and 3.11
+done. For a tensor Python knows, torch then gives back the reference its C++ side held to
+the tensor's Python object, under the GIL (even while Python still holds the tensor), and
+a thread without a Python thread state makes one for that, taking the interpreter's lock
+on its thread list (``HEAD_LOCK``) while it does so. Python 3.10 before 3.10.15 and 3.11
 before 3.11.10 take that lock again in a forked child before they reset it
 (CPython gh-112275): a DataLoader worker forked in that instant waits for it forever,
 inside ``os.fork``. It was seen in CI, one evaluation loader in some hundreds.
@@ -35,7 +36,9 @@ def keep_thread_states(group: Any = None) -> None:
 
     if not AFFECTED:
         return
-    backend: Any = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    backend: Any = (group if group is not None else dist.group.WORLD)._get_backend(  # type: ignore[union-attr]
+        torch.device("cpu")
+    )
     threads = backend.options._threads
     kept: Set[int] = set()
     main = threading.get_ident()

@@ -11,14 +11,13 @@ without a release, and keep its thread state.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from typing import Any
 
 import torch
 
-from ..runtime.gloo_threads import AFFECTED, MAX_ROUNDS
+from ..runtime.gloo_threads import AFFECTED, MAX_ROUNDS, keep_this_thread_state
 
 
 def keep_background_thread_state(hvd: Any) -> None:
@@ -33,7 +32,7 @@ def keep_background_thread_state(hvd: Any) -> None:
 
     def keep() -> None:
         if threading.get_ident() != main and not kept.is_set():
-            ctypes.pythonapi.PyGILState_Ensure()  # never released: this thread keeps its state
+            keep_this_thread_state()
             kept.set()
 
     for attempt in range(MAX_ROUNDS):

@@ -442,11 +442,10 @@ class Engine:
         cuda = None
         if self._cuda is not None:
             cuda = dist.new_group(ranks=list(ranks), backend="nccl", timeout=timeout)
-        if self.rank in ranks:
-            keep_thread_states(gloo)
         self._set_groups[set_id] = (gloo, cuda)
         self.process_sets[set_id] = ranks
         if self.rank in ranks:  # the set negotiates among its members only, on its own thread
+            keep_thread_states(gloo)
             self._lanes[set_id] = Engine(
                 self.rank,
                 self.size,

@@ -28,6 +28,12 @@ AFFECTED = (3, 10) <= sys.version_info[:3] < (3, 10, 15) or (3, 11) <= sys.versi
 MAX_ROUNDS = 50
 
 
+def keep_this_thread_state() -> None:
+    """Called on a thread that runs no Python of its own: it makes its Python thread state now and never
+    gives it up (``PyGILState_Ensure`` without a release), so later GIL acquisitions there reuse it."""
+    ctypes.pythonapi.PyGILState_Ensure()
+
+
 def keep_thread_states(group: Any = None) -> None:
     """Collective over ``group`` (a gloo process group; None: the default one): on an affected Python,
     every worker thread of this rank's gloo backend gets a Python thread state it keeps."""
@@ -46,7 +52,7 @@ def keep_thread_states(group: Any = None) -> None:
     def keep(future: Any) -> Any:
         ident = threading.get_ident()
         if ident != main and ident not in kept:
-            ctypes.pythonapi.PyGILState_Ensure()  # never released: this thread keeps its state
+            keep_this_thread_state()
             kept.add(ident)
         return future.value()
 

@@ -37,6 +37,7 @@ allgather/broadcast that 0.28.1 does not produce; the real Horovod passes these 
 see test_hvd_api.py).
 """
 
+import atexit
 import faulthandler
 import os
 import sys
@@ -80,11 +81,33 @@ def collect_tests(only=()):
     return [(name, fn) for name, fn in tests if not only or name in only]
 
 
+def gloo_worker_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop), from /proc."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return names.count("pt_gloo_runloop")
+
+
+def report_gloo_threads_at_exit(rank: int, running: int) -> None:
+    """After trainbridge.hvd's exit handler: no gloo group may be left for the interpreter's teardown,
+    where a worker thread still giving back a tensor aborts the process."""
+    print(f"GLOO_THREADS rank={rank} running={running} at_exit={gloo_worker_threads()}", flush=True)
+
+
 def main() -> int:
     if os.environ.get("SUITE_WATCHDOG_S"):
         # A hang prints every thread's stack instead of dying silently at the test's timeout.
         faulthandler.dump_traceback_later(float(os.environ["SUITE_WATCHDOG_S"]), exit=True)
+    at_exit = {"running": -1}
+    # Registered before hvd.init registers trainbridge.hvd's own exit handler, so it runs after that one.
+    atexit.register(lambda: report_gloo_threads_at_exit(at_exit["rank"], at_exit["running"]))
     hvd.init()
+    at_exit["rank"] = hvd.rank()
     torch.set_num_threads(1)
     expected = os.environ.get("EXPECT_REAL_HOROVOD")
     if expected is not None and hvd.using_real_horovod != (expected == "1"):
@@ -106,6 +129,7 @@ def main() -> int:
                   flush=True)
     print(f"SUMMARY rank={hvd.rank()} size={hvd.size()} real_horovod={hvd.using_real_horovod} "
           f"tests={len(tests)} failed={failed}", flush=True)
+    at_exit["running"] = gloo_worker_threads()
     hvd.shutdown()
     return 1 if failed else 0
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from typing import Any, List
 
@@ -153,6 +154,12 @@ def _at_exit() -> None:
             # Every rank's engine stopped at the same cycle, so nothing is in flight: no barrier needed.
             dist.destroy_process_group()
         _owns_default_group = False
+        # The engine's objects sit in reference cycles: collected now, the last reference to each
+        # gloo group goes, and its worker threads are joined (without the GIL) while Python still
+        # runs. A worker still giving back a finished collective's tensor when the interpreter's
+        # teardown starts wants the GIL then, is made to exit, and aborts the process
+        # ("terminate called without an active exception").
+        gc.collect()
 
 
 def size() -> int:

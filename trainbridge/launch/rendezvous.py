@@ -186,6 +186,13 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
     """Start torch.distributed's default process group (``pg_backend``: gloo or nccl) for this job."""
     import torch.distributed as dist
 
+    # Imported before the group exists: torch.distributed.nn.functional takes the default
+    # group as its functions' default arguments when it is first imported (torch._dynamo
+    # imports it, at a model's or optimizer's first step). Imported after this point, it
+    # would keep the group, and its gloo worker threads, until the interpreter's own
+    # teardown, where a worker still giving back a tensor aborts the process.
+    import torch.distributed.nn.functional  # noqa: F401
+
     addr, port = rendezvous_address(env, timeout=timeout)
     if pg_backend == "gloo":
         choose_gloo_interface(env, addr)

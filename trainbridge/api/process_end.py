@@ -107,10 +107,22 @@ def excepthook(exc_type, exc, tb) -> None:
     if code is None:
         sys.__excepthook__(exc_type, exc, tb)
         return
+    leave_after_failure(code)
+
+
+def leave_after_failure(code: int) -> NoReturn:
+    """End a rank whose failure :func:`report_failure` has reported: leave the process group
+    without waiting for the peers, then exit at once with ``code``.
+
+    At once, without the interpreter's teardown: the collective library's threads must not
+    hold the process open, and a gloo worker thread still giving back the last collective's
+    tensors when the teardown starts wants the GIL then, is made to exit, and aborts the
+    process (SIGABRT instead of ``code``).
+    """
     if current.job is not None:
         current.job.backend.shutdown(clean=False)
     kill_workers()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
-    os._exit(code)  # the collective library's threads must not hold the process open
+    os._exit(code)

@@ -6,7 +6,7 @@ import functools
 from typing import Any, Callable
 
 from ..launch.spawn import spawn_workers
-from .process_end import report_failure
+from .process_end import leave_after_failure, report_failure
 
 
 def _run(fn: Callable[..., Any], args: tuple) -> int:
@@ -16,7 +16,7 @@ def _run(fn: Callable[..., Any], args: tuple) -> int:
         code = report_failure(exc)
         if code is None:
             raise
-        return code
+        leave_after_failure(code)  # as under a launcher (the excepthook)
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> int:

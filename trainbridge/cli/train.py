@@ -14,7 +14,7 @@ Bad input ends with one line ``trainbridge: error: ...`` on stderr and exit stat
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from ..api import exit_process, init, report_failure
 from ..errors import UserError
@@ -59,6 +59,13 @@ def run_worker(cfg: TrainConfig) -> int:
             job.shutdown(clean=finished)
 
 
+def run_spawned_worker(cfg: TrainConfig) -> NoReturn:
+    """One rank started by ``--nproc``: it ends as a launched rank does (``exit_process``), not
+    through the interpreter's teardown, where a gloo thread still giving back the last
+    collective's tensors can abort the process."""
+    exit_process(run_worker(cfg))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = parse_config(argv)
@@ -72,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "(torchrun --nproc-per-node, horovodrun -np, mpirun -np)"
             )
             return 2
-        return spawn_workers(cfg.nproc, functools.partial(run_worker, cfg))
+        return spawn_workers(cfg.nproc, functools.partial(run_spawned_worker, cfg))
     return run_worker(cfg)
 
 

@@ -40,9 +40,10 @@ test-torch-versions:
 	REMOVE_VENVS=1 bash scripts/test_torch_versions.sh $(TORCH_VERSIONS)
 
 # The linter, the formatter's check and the type checker over the package and the bench: ruff (settings in
-# ruff.toml), then mypy (setup.cfg's [mypy]). Both come with the test extra; `make test` runs it first.
+# ruff.toml), then mypy (setup.cfg's [mypy]). The tests get the linter too. Both come with the test extra;
+# `make test` runs it first.
 lint:
-	$(VENV)/bin/python -m ruff check trainbridge benchmarks
+	$(VENV)/bin/python -m ruff check trainbridge benchmarks tests
 	$(VENV)/bin/python -m ruff format --check trainbridge benchmarks
 	$(VENV)/bin/python -m mypy trainbridge benchmarks/bench
 

@@ -64,7 +64,8 @@ def run(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cw
         stacks = dump_stacks(proc.pid)
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+        pytest.fail(f"timed out after {timeout}s (a hang): {' '.join(cmd)}\n"
+                    f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
                     f"\nstacks of its Python processes:\n{stacks}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

@@ -16,10 +16,20 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import (
+    HOROVODRUN,
+    MPIRUN,
+    MPIRUN_FLAGS,
+    PYTHON,
+    TORCHRUN,
+    Job,
+    bitwise_equal,
+    check,
+    load_final,
+    max_abs_diff,
+    run,
+)
 from torch import nn
-
-from conftest import (HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, Job, bitwise_equal, check, load_final,
-                      max_abs_diff, run)
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
@@ -46,7 +56,8 @@ def python(script, args):
 
 
 def worker(job: Job, rank: int, script: str = OWN_LOOP) -> psutil.Process:
-    """The ``script`` worker of ``rank`` under a torchrun ``job`` (conftest's rank_process looks for trainbridge.train)."""
+    """The ``script`` worker of ``rank`` under a torchrun ``job``
+    (conftest's rank_process looks for trainbridge.train)."""
     for child in psutil.Process(job.proc.pid).children(recursive=True):
         try:
             environ, cmdline = child.environ(), child.cmdline()

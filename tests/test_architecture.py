@@ -147,4 +147,5 @@ def test_the_architecture_page_names_every_folder():
     page = (ROOT / "docs" / "design" / "architecture.md").read_text()
     named = set(re.findall(r"^  ([a-z_]+)/ ", page, re.MULTILINE))
     folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
-    assert named == folders, f"folders not on the page: {folders - named}; on the page, not in the code: {named - folders}"
+    assert named == folders, (f"folders not on the page: {folders - named}; "
+                              f"on the page, not in the code: {named - folders}")

@@ -1,12 +1,10 @@
 """Background checkpoint writes: a kill, a full disk and SIGTERM during a write lose nothing."""
-import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import torch
-
 from conftest import PYTHON, launcher_env, run
 from test_bad_input import assert_one_clear_line
 

@@ -1,11 +1,10 @@
 """Bad input: one clear line naming the problem and the fix, a non-zero exit, no traceback from our code."""
-import os
 import re
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun
+
 from trainbridge.cli.train import main as train_main
 
 QUICK = [*SAMPLE, "--max-steps", "2"]
@@ -14,8 +13,8 @@ QUICK = [*SAMPLE, "--max-steps", "2"]
 def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> None:
     assert result.returncode != 0, result.stdout + result.stderr
     # horovodrun prefixes each worker line with "[rank]<stderr>:"; that prefix is the launcher's.
-    lines = [re.sub(r"^\[\d+\]<stderr>:", "", l) for l in result.stderr.splitlines()]
-    lines = [l for l in lines if l.startswith("trainbridge: error:")]
+    lines = [re.sub(r"^\[\d+\]<stderr>:", "", line) for line in result.stderr.splitlines()]
+    lines = [line for line in lines if line.startswith("trainbridge: error:")]
     assert len(lines) == 1, result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     # No Python traceback out of trainbridge itself (torchrun prints its own summary).

@@ -4,20 +4,18 @@ One test per finding of the sweep (the Horovod-facade findings are in tests/test
 plus a table of bad command-line values checked in-process, without a launcher.
 """
 import json
-import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-
 from conftest import PYTHON, SAMPLE, TRAIN, check, launcher_env, load_final, plain, read_metrics, run
 from test_bad_input import assert_one_clear_line
-from trainbridge.cli.train import main as train_main
+
 from trainbridge.cli.data import main as data_main
+from trainbridge.cli.train import main as train_main
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.launch.rendezvous import free_port
 
@@ -84,7 +82,8 @@ def test_hidden_folder_in_train_is_not_a_class(tmp_path):
     shutil.copy(data / "Train" / "C0" / "c0_000.png", hidden / "c0_000-checkpoint.png")
     (data / "Train" / "C2" / ".hidden.png").write_bytes(b"not an image")  # hidden files are no images either
     result = check(run(plain(["--task", "designsafe", "--data-root", str(data), "--no-pretrained", "--image-size", "32",
-                              "--batch-size", "6", "--epochs", "1", "--no-progress", "--output-dir", str(tmp_path / "o")]),
+                              "--batch-size", "6", "--epochs", "1", "--no-progress",
+                              "--output-dir", str(tmp_path / "o")]),
                        timeout=300))
     report = json.loads((tmp_path / "o" / "report_val.json").read_text())
     assert report["classes"] == ["C0", "C2", "C4"] and report["samples"] == 36, result.stdout
@@ -136,7 +135,8 @@ def test_resume_with_changed_options_names_them(tmp_path, four_steps):
     before = (tmp_path / "last.pt").read_bytes()
     result = run(plain([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
                         "--output-dir", str(tmp_path)]), timeout=120)
-    assert_one_clear_line(result, r"--lr 1\.0 -> 0\.5.*global batch .* 128 -> 64.*--allow-option-changes.*--resume never")
+    assert_one_clear_line(result, r"--lr 1\.0 -> 0\.5.*global batch .* 128 -> 64"
+                                  r".*--allow-option-changes.*--resume never")
     assert (tmp_path / "last.pt").read_bytes() == before
     result = check(run(plain([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
                               "--allow-option-changes", "--output-dir", str(tmp_path)]), timeout=120))
@@ -159,7 +159,8 @@ def test_divergence_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path):
 # ----- 6. options that would do nothing ------------------------------------------------------------
 def test_fail_at_step_on_one_process_is_refused(tmp_path):
     result = run(plain([*QUICK, "--fail-at-step", "3", "--output-dir", str(tmp_path)]), timeout=120)
-    assert_one_clear_line(result, r"--fail-rank 1 does not exist in a job of 1 process.*--fail-at-step would do nothing")
+    assert_one_clear_line(result, r"--fail-rank 1 does not exist in a job of 1 process"
+                                  r".*--fail-at-step would do nothing")
 
 
 # ----- 7. starting over never destroys the only good model ---------------------------------------------
@@ -185,7 +186,8 @@ def test_make_sample_again_keeps_the_users_files(tmp_path, capsys):
     assert len(list((out / "Train" / "C0").glob("c0_*.png"))) == 40
     assert data_main(["make-sample", "designsafe", "--out", str(out / "my_labels.csv")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"trainbridge: error: --out {out / 'my_labels.csv'} is a file; give a folder to write the sample into"
+    assert err[-1] == (f"trainbridge: error: --out {out / 'my_labels.csv'} is a file; "
+                       f"give a folder to write the sample into")
 
 
 # ----- 9. a port held by another program: one line per rank, within the timeout ------------------------
@@ -208,7 +210,7 @@ def test_port_held_by_another_program_does_not_hang(tmp_path):
     finally:
         holder.close()
     assert all(p.returncode != 0 for p in procs) and elapsed < 5 + 5 + 15, (elapsed, outputs)
-    errors = [[l for l in err.splitlines() if l.startswith("trainbridge: error:")] for _, err in outputs]
+    errors = [[line for line in err.splitlines() if line.startswith("trainbridge: error:")] for _, err in outputs]
     assert len(errors[0]) == 1 and f"port {port}" in errors[0][0] and "another program holds it" in errors[0][0]
     assert len(errors[1]) == 1 and "MASTER_PORT is not held by another program" in errors[1][0]
     assert not any("Traceback" in err for _, err in outputs)

@@ -1,4 +1,5 @@
-"""The peer bench (``python -m benchmarks``): the quick smoke run produces every number, and failures are reported, not hung.
+"""The peer bench (``python -m benchmarks``): the quick smoke run produces every number,
+and failures are reported, not hung.
 
 Speed is never asserted here: the ratios live in benchmarks/RESULTS.md.
 """
@@ -10,16 +11,16 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, TORCHRUN, check, run
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from trainbridge.training import step as train_step
 from benchmarks.bench import cli as bench_cli
 from benchmarks.bench.configs import COMPARED, BenchConfig, build_matrix, check_launchers, skip_reason
 from benchmarks.bench.runner import CHECKPOINT_SUFFIXES, run_once
 from benchmarks.bench.targets import TARGETS, evaluate
 from benchmarks.bench.workloads import WORKLOADS
 from trainbridge.errors import UserError
+from trainbridge.training import step as train_step
 from trainbridge.training.step import cpu_has_bf16
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = ["local_all_cores", "bare_loop", "local_1_thread", "torch_gloo", "ddp_tutorial", "trainbridge_loop",
            "accelerate", "fabric", "torch_gloo_no_shm", "torch_gloo_bf16",
@@ -37,7 +38,8 @@ def test_quick_bench_reports_every_configuration(tmp_path):
     assert list(report["workloads"]) == ["mnist-convnet"]
     workload = report["workloads"]["mnist-convnet"]
     assert list(workload["configs"]) == CONFIGS
-    # The bf16 reference row runs only where the CPU computes in bf16 (skip_reason; the test below fakes the other case).
+    # The bf16 reference row runs only where the CPU computes in bf16
+    # (skip_reason; the test below fakes the other case).
     ran = [key for key in CONFIGS if key != "torch_gloo_bf16" or cpu_has_bf16()]
     for key, config in workload["configs"].items():
         if key not in ran:
@@ -141,7 +143,8 @@ def test_only_the_rows_that_run_need_their_launcher(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PATH", str(bin_dir))
     matrix = build_matrix(WORKLOADS["mnist-convnet"], 2, quick=True, cores=2)
     check_launchers([c for c in matrix if c.key == "ddp_tutorial"])
-    with pytest.raises(UserError, match=r"^horovodrun is not installed .*it starts horovod_gloo, horovod_tutorial_gloo, "
+    with pytest.raises(UserError, match=r"^horovodrun is not installed .*"
+                                        r"it starts horovod_gloo, horovod_tutorial_gloo, "
                                         r"horovod_mpi, horovod_tutorial_mpi; install it, or choose other rows"):
         check_launchers(matrix)
     assert bench_cli.main(["--quick", "--only", "horovod_gloo", "--out", str(tmp_path / "bench")]) == 2
@@ -199,7 +202,8 @@ def summary(nproc, rates):
 
 def test_target_ratios_pair_runs_of_the_same_repeat():
     scaling = next(t for t in TARGETS if t.id == "T3a")
-    row = evaluate(scaling, {"torch_gloo": summary(2, [3600, 4000, 3800]), "local_1_thread": summary(1, [2000, 2000, 2000])})
+    row = evaluate(scaling, {"torch_gloo": summary(2, [3600, 4000, 3800]),
+                             "local_1_thread": summary(1, [2000, 2000, 2000])})
     assert row["ratio"] == 3800 / 4000 and row["met"] is True
     assert row["ratio_per_repeat"] == [0.9, 1.0, 0.95]
     assert evaluate(scaling, {"torch_gloo": summary(2, [3000])})["met"] is None

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import PLAIN_SGD, PYTHON, SAMPLE, Job, launcher_env, plain, run, torchrun
 from test_bad_input import assert_one_clear_line
 

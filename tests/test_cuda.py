@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PYTHON, TORCHRUN, check, read_metrics, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -44,7 +43,8 @@ def test_one_gpu_process_and_torchrun_with_one_rank_train_the_same_weights(tmp_p
     launched = check(run(torchrun(1, OWN_LOOP, "--output-dir", tmp_path / "torchrun"), timeout=TIMEOUT))
     assert "backend local, device cuda:0" in plain.stdout, plain.stdout[-2000:]
     assert "under torchrun: backend torch, device cuda:0" in launched.stdout, launched.stdout[-2000:]
-    difference = largest_difference(weights(tmp_path / "plain" / "final.pt"), weights(tmp_path / "torchrun" / "final.pt"))
+    difference = largest_difference(weights(tmp_path / "plain" / "final.pt"),
+                                    weights(tmp_path / "torchrun" / "final.pt"))
     assert difference == 0.0, f"plain python and torchrun on one GPU differ by {difference:.3g}"
     accuracy = float(re.findall(r"val_accuracy (\S+)", launched.stdout)[-1])
     assert accuracy > 0.8, launched.stdout[-2000:]  # it learned: the CPU's run of this example ends at 0.8485
@@ -96,7 +96,8 @@ def test_more_local_ranks_than_gpus_is_one_line(tmp_path):
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "has no GPU" in line]
     assert lines and "start at most one process per GPU" in lines[0], result.stderr[-3000:]
-    assert 'own_loop.py", line' not in result.stderr, result.stderr[-3000:]  # no traceback from a rank (torchrun prints its own)
+    # No traceback from a rank (torchrun prints its own).
+    assert 'own_loop.py", line' not in result.stderr, result.stderr[-3000:]
 
 
 # ----- trainbridge train ------------------------------------------------------------

@@ -8,14 +8,14 @@ steps within a few epochs and the per-rank learning rates are checked after it.
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import check, horovodrun, plain, read_metrics, run, torchrun
+
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.models.resnet import HEAD_PREFIX, resnet34_classifier
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from trainbridge.training.evaluation import confusion_matrix, format_report, precision_recall, save_report, summarise
-from trainbridge.training.config import parse_config
-from trainbridge.data.designsafe_sample import CLASSES, IMAGES_PER_CLASS, is_synthetic_sample, make_sample
 from trainbridge.cli.data import main as data_main
+from trainbridge.data.designsafe_sample import CLASSES, IMAGES_PER_CLASS, is_synthetic_sample, make_sample
 from trainbridge.data.imagefolder import build_transforms, check_layout, image_files
 from trainbridge.errors import UserError
 from trainbridge.models.resnet import freeze_backbone, load_backbone_state, resnet34_classifier
+from trainbridge.training.config import parse_config
+from trainbridge.training.evaluation import confusion_matrix, format_report, precision_recall, save_report, summarise
 
 
 @pytest.fixture(scope="module")

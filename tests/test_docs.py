@@ -11,15 +11,13 @@ import html
 import importlib
 import re
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
-
-from conftest import PYTHON, TORCHRUN, check, launcher_env, run
+from conftest import PYTHON, TORCHRUN, check, run
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import List
 
 import pytest
-
 from conftest import run
 from test_docs import marked_blocks
 

@@ -12,9 +12,21 @@ import time
 import psutil
 import pytest
 import torch
-
-from conftest import (HOROVODRUN, PYTHON, TRAIN, Job, bitwise_equal, check, horovodrun, load_final, max_abs_diff,
-                      plain, read_metrics, run, torchrun)
+from conftest import (
+    HOROVODRUN,
+    PYTHON,
+    TRAIN,
+    Job,
+    bitwise_equal,
+    check,
+    horovodrun,
+    load_final,
+    max_abs_diff,
+    plain,
+    read_metrics,
+    run,
+    torchrun,
+)
 
 STEPS = 124  # 2 epochs x 62 steps of 2 x 32 samples (4,000 // 64; the 32 left over wait for a later epoch)
 COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "5",

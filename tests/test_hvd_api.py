@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-
 from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
 
 SCRIPTS = Path(__file__).parent / "hvd_scripts"

@@ -6,10 +6,9 @@ import socket
 from pathlib import Path
 
 import torch
+from conftest import PYTHON, TORCHRUN, check, run
 
 from trainbridge.hvd.elastic import commit_file
-
-from conftest import PYTHON, TORCHRUN, check, run
 
 SCRIPTS = Path(__file__).parent / "hvd_scripts"
 TIMEOUT = 120
@@ -24,7 +23,7 @@ def test_process_set_collectives_do_not_wait_for_a_sleeping_rank_outside_the_set
     timings = re.findall(r"SET rank=(\d) barrier_s=([\d.]+) allreduce_s=([\d.]+) broadcast_s=([\d.]+) sum=([\d.]+)",
                          result.stdout)
     assert sorted(rank for rank, *_ in timings) == ["1", "2"], result.stdout[-3000:]
-    for rank, barrier_s, allreduce_s, broadcast_s, total in timings:
+    for _rank, barrier_s, allreduce_s, broadcast_s, total in timings:
         assert max(float(barrier_s), float(allreduce_s), float(broadcast_s)) < 2.5, result.stdout[-3000:]
         assert float(total) == 1 + 2
     # The global barrier still waits for the sleeper.

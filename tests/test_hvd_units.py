@@ -3,14 +3,13 @@ import pytest
 import torch
 
 from trainbridge.errors import UserError
-from trainbridge.hvd import delegation
+from trainbridge.hvd import delegation, errors
 from trainbridge.hvd.compression import Compression
 from trainbridge.hvd.elastic import commit_file
 from trainbridge.hvd.engine import scaled
+from trainbridge.hvd.errors import HorovodInternalError, rejection_error
 from trainbridge.hvd.negotiation import Announcement, Message, NegotiationTable
 from trainbridge.hvd.process_sets import check_static_sets
-from trainbridge.hvd import errors
-from trainbridge.hvd.errors import HorovodInternalError, rejection_error
 from trainbridge.hvd.reduce_ops import Adasum, Average, Max, Sum, resolve_op
 
 FLOAT_17 = Announcement("allreduce", ((17,),), ("torch.float32",))
@@ -58,7 +57,8 @@ def test_allgather_may_differ_only_in_the_first_dimension():
 def test_joined_ranks_answer_allreduce_but_not_other_operations():
     table = NegotiationTable(3)
     outcome = cycle(table, Message([], join=True), [("g", FLOAT_17)], [("g", FLOAT_17)])
-    assert outcome.ready[0].name == "g" and outcome.ready[0].error is None and sorted(outcome.ready[0].by_rank) == [1, 2]
+    ready = outcome.ready[0]
+    assert ready.name == "g" and ready.error is None and sorted(ready.by_rank) == [1, 2]
     gather = Announcement("allgather", ((2,),), ("torch.float32",))
     outcome = cycle(table, Message([]), [("x", gather)], [("x", gather)])
     assert "already called hvd.join()" in outcome.ready[0].error
@@ -188,8 +188,8 @@ def test_commit_file_only_under_torchrun():
 
 def _name_table():
     """(names, status) per row of the "Every horovod.torch name" table in the migration guide."""
-    from pathlib import Path
     import re
+    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "MIGRATING_FROM_HOROVOD.md").read_text()
     table = text.split("## Every name and its status", 1)[1].split("\n## ", 1)[0]  # up to the next section

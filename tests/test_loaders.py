@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, run
 from torch import nn
 from torch.utils.data import Dataset
 
 import trainbridge as tb
-from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, run
 from trainbridge.api.loaders import EvalLoader, TrainLoader
 from trainbridge.runtime.gloo_threads import AFFECTED as GLOO_THREAD_STATES_KEPT
 
@@ -316,7 +316,7 @@ def test_random_augmentation_is_the_same_with_and_without_workers():
         assert_bitwise(a, b)
     # The noise is real: it differs between samples, and between epochs for the same sample.
     noise = {}
-    for epoch, batches in enumerate(inline):
+    for _epoch, batches in enumerate(inline):
         for b in batches:
             for row in b:
                 noise.setdefault(int(row[0]), []).append(row.tolist())

@@ -8,10 +8,9 @@ import subprocess
 import textwrap
 
 import pytest
+from conftest import PYTHON, check, launcher_env, run, torchrun
 
 from trainbridge.launch.malloc_tuning import MMAP_THRESHOLD_BYTES, tune_malloc, user_allocator_choice
-
-from conftest import PYTHON, check, launcher_env, run, torchrun
 
 SHORT_RUN = ["--model", "plaincnn", "--dataset", "mnist-sample", "--batch-size", "32", "--max-steps", "2",
              "--no-progress"]

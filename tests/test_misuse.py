@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, Job, plain, run
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "misuse.py")
@@ -67,7 +66,8 @@ RANK_DIVERGENT = {
     "batch-size": r"train_loader: the ranks disagree at \['batch_size'\] \(rank 0: 10; rank 1: 11\)",
     "lr": r"the optimizer: the ranks disagree at \['param_groups'\]\[0\]\['lr'\] \(rank 0: 0\.1; rank 1: 0\.2\)",
     "optimizer": r"the optimizer: the ranks disagree at \['type'\] \(rank 0: 'SGD'; rank 1: 'Adam'\)",
-    "compression": r"job\.prepare's options: the ranks disagree at \['compression'\] \(rank 0: 'none'; rank 1: 'fp16'\)",
+    "compression": (r"job\.prepare's options: the ranks disagree at \['compression'\] "
+                    r"\(rank 0: 'none'; rank 1: 'fp16'\)"),
     "shapes": r"the model's parameters: the ranks disagree at \['0\.weight'\] \(rank 0: \(8, 4\); rank 1: \(9, 4\)\)",
     "allreduce-dtype": r"job\.allreduce's tensor: the ranks disagree at \['dtype'\] "
                        r"\(rank 0: 'torch\.float32'; rank 1: 'torch\.int32'\)",

@@ -24,10 +24,11 @@ def test_architectures():
     assert [c.kernel_size for c in layers(bn, nn.Conv2d)] == [(5, 5), (5, 5)]
     assert len(layers(bn, nn.BatchNorm2d)) == 2 and layers(bn, nn.Linear)[0].in_features == 1568
     drop = build_model("convnet-dropout")
-    assert [(l.in_features, l.out_features) for l in layers(drop, nn.Linear)] == [(4608, 64), (64, 10)]
+    assert [(lin.in_features, lin.out_features) for lin in layers(drop, nn.Linear)] == [(4608, 64), (64, 10)]
     assert layers(drop, nn.Dropout) and not layers(drop, nn.Dropout2d)
     mlp = build_model("mlp")
-    assert [(l.in_features, l.out_features) for l in layers(mlp, nn.Linear)] == [(784, 128), (128, 128), (128, 10)]
+    shapes = [(lin.in_features, lin.out_features) for lin in layers(mlp, nn.Linear)]
+    assert shapes == [(784, 128), (128, 128), (128, 10)]
     assert all(d.p == 0.2 for d in layers(mlp, nn.Dropout))
     plain = build_model("plaincnn")
     assert not layers(plain, nn.Dropout) and not layers(plain, nn.BatchNorm2d)

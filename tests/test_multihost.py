@@ -21,9 +21,21 @@ from typing import Dict, List, Optional
 
 import psutil
 import pytest
-
-from conftest import (HOROVODRUN, PARITY, PARITY_BATCH, PARITY_STEPS, PYTHON, TORCHRUN, TRAIN, check, launcher_env,
-                      load_final, max_abs_diff, read_metrics, run)
+from conftest import (
+    HOROVODRUN,
+    PARITY,
+    PARITY_BATCH,
+    PARITY_STEPS,
+    PYTHON,
+    TORCHRUN,
+    TRAIN,
+    check,
+    launcher_env,
+    load_final,
+    max_abs_diff,
+    read_metrics,
+    run,
+)
 from multihost.hosts import IFACE, Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers, run_on
 from multihost.jobs import HostProcess, wait_all
 from multihost.openmpi import mpirun_flags, write_rsh_agent
@@ -160,7 +172,8 @@ SLURM_SCRIPTS = ROOT / "examples" / "slurm"
 def slurm(hosts, tmp_path_factory):
     missing = missing_daemons()
     if missing:
-        pytest.skip(f"SLURM is missing ({', '.join(missing)}): scripts/setup.sh installs slurmctld, slurmd, slurm-client")
+        pytest.skip(f"SLURM is missing ({', '.join(missing)}): "
+                    f"scripts/setup.sh installs slurmctld, slurmd, slurm-client")
     with SlurmCluster(hosts.hosts, tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
 
@@ -299,14 +312,16 @@ def loopback_named(hosts) -> List[Host]:
     return renamed
 
 
-def test_host_names_on_loopback_or_unresolved_need_no_gloo_socket_ifname(hosts, loopback_named, rsh_agent, references, tmp_path):
+def test_host_names_on_loopback_or_unresolved_need_no_gloo_socket_ifname(hosts, loopback_named, rsh_agent, references,
+                                                                         tmp_path):
     # gloo would listen on loopback on both hosts; trainbridge gives it the interface towards the rendezvous.
     a = loopback_named[0]
     args = programs(tmp_path)["parity"]
     procs = on_hosts({h: torchrun_static(r, a, 29631, args) for r, h in enumerate(loopback_named)},
                      tmp_path / "torchrun")
     assert f"resolves only to loopback (127.0.1.1); gloo uses tbv0, the interface towards {a.addr}" in procs[0].output()
-    assert f"does not resolve (gloo takes loopback); gloo uses tbv0, the interface towards {a.addr}" in procs[1].output()
+    expected = f"does not resolve (gloo takes loopback); gloo uses tbv0, the interface towards {a.addr}"
+    assert expected in procs[1].output()
     assert_matches(references, tmp_path, "torchrun static, loopback host names", "parity")
     # Under mpirun rank 0 publishes an address the other host can reach, not its name.
     agent = write_rsh_agent(loopback_named, tmp_path / "rsh_agent")
@@ -362,7 +377,8 @@ def doctor_hosts(host: Host, sshd: SshdPerHost, *extra: str, env: Optional[Dict[
 
 def test_doctor_hosts_names_each_problem_in_one_line_with_its_fix(hosts, loopback_named, sshd):
     a, b = hosts.hosts
-    good = doctor_hosts(a, sshd, "--rdzv-endpoint", "tbnode1:29400", env={"MASTER_ADDR": a.addr, "MASTER_PORT": "29500"})
+    good = doctor_hosts(a, sshd, "--rdzv-endpoint", "tbnode1:29400",
+                        env={"MASTER_ADDR": a.addr, "MASTER_PORT": "29500"})
     assert good.returncode == 0 and "hosts: no problem found" in good.stdout, good.stdout + good.stderr
     assert "interfaces towards the other hosts: tbnode1 tbv0, tbnode2 tbv0" in good.stdout, good.stdout
     # Every problem at once: tbnode1's name on loopback, tbnode2's link under another

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check, horovodrun, load_final, plain, read_metrics, run, torchrun
 from torch import nn
 
-from conftest import check, horovodrun, load_final, plain, read_metrics, run, torchrun
 from trainbridge.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]

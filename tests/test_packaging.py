@@ -7,10 +7,10 @@ import zipfile
 from pathlib import Path
 
 import torch
+from conftest import PYTHON, check, run
 from setuptools.config.setupcfg import read_configuration
 
 import trainbridge
-from conftest import PYTHON, check, run
 from trainbridge.optional import OPTIONAL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +63,13 @@ def test_the_wheel_installs_beside_the_users_torch_and_keeps_it(tmp_path: Path):
     # The core, in that environment: the API trains, doctor names what is missing, a task says what to install.
     code = ("import torch, trainbridge as tb\n"
             "job = tb.init()\n"
-            "model, optimizer = job.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1))\n"
+            "model, optimizer = job.prepare(torch.nn.Linear(4, 2),\n"
+            "                               torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1))\n"
             "data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(2, (32,)))\n"
             "for x, y in job.train_loader(data, batch_size=8):\n"
-            "    optimizer.zero_grad(); job.backward(torch.nn.functional.cross_entropy(model(x), y)); job.step(optimizer)\n"
+            "    optimizer.zero_grad()\n"
+            "    job.backward(torch.nn.functional.cross_entropy(model(x), y))\n"
+            "    job.step(optimizer)\n"
             "print('TRAINED', job.backend_name)\n")
     assert "TRAINED local" in check(run([str(python), "-c", code], timeout=120, cwd=str(tmp_path))).stdout
     doctor = check(run([str(venv / "bin" / "trainbridge"), "doctor"], timeout=120, cwd=str(tmp_path)))

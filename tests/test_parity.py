@@ -5,9 +5,19 @@ match one process with batch 2B to 1e-5 (max absolute difference).
 """
 import pytest
 import torch
-
-from conftest import (PARITY, PARITY_BATCH, PARITY_STEPS, check, horovodrun, load_final, mpirun, plain, read_metrics,
-                      run, torchrun)
+from conftest import (
+    PARITY,
+    PARITY_BATCH,
+    PARITY_STEPS,
+    check,
+    horovodrun,
+    load_final,
+    mpirun,
+    plain,
+    read_metrics,
+    run,
+    torchrun,
+)
 
 K, B = PARITY_STEPS, PARITY_BATCH
 COMMON = PARITY

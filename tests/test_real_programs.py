@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "real_programs.py")

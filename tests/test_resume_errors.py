@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import PLAIN_SGD, SAMPLE, check, load_final, plain, read_metrics, run
 from test_bad_input import assert_one_clear_line
 

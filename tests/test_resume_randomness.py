@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import TORCHRUN, Job, bitwise_equal, check, load_final, max_abs_diff, run, torchrun
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "random_loop.py")

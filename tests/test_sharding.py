@@ -5,7 +5,6 @@ of one pass) and :class:`trainbridge.api.loaders.TrainLoader` on top of it; no
 process group is needed.
 """
 import pytest
-
 import torch
 from torch.utils.data import DistributedSampler
 

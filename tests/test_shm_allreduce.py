@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, bitwise_equal, check, horovodrun, load_final, max_abs_diff, plain, run, torchrun
 from test_bad_input import assert_one_clear_line
+
 from trainbridge.backends.shm_allreduce import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, SHM_BUDGET_BYTES, chunk_bytes
 
 PROBE = str(Path(__file__).parent / "speed_scripts" / "shm_probe.py")

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PYTHON, SHORT_SGD, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run, torchrun
 
 from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
 from trainbridge.cli.train import main as train_main
 from trainbridge.training.step import cpu_bf16_warning
-
-from conftest import (PYTHON, SHORT_SGD, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run,
-                      torchrun)
 
 SCRIPTS = Path(__file__).parent / "speed_scripts"
 COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "7",
@@ -117,7 +115,7 @@ def test_compression_averages_gradients_in_the_named_dtype(launcher):
     probe = [str(SCRIPTS / "compression_probe.py"), *PROBED[launcher]]
     cmd = torchrun(2, [])[:3] + probe if launcher == "torchrun" else horovodrun(2, "gloo", [])[:4] + [PYTHON, *probe]
     result = check(run(cmd, timeout=120))
-    printed = [l for l in result.stdout.splitlines() if "{" in l][-1]
+    printed = [text for text in result.stdout.splitlines() if "{" in text][-1]
     line = json.loads(printed[printed.index("{"):])  # horovodrun prefixes "[0]<stdout>:"
     assert (line["backend"], line["world_size"]) == (EXPECTED_BACKEND[launcher], 2)
     assert {k: line[k] for k in PROBED[launcher]} == {k: EXACT_AVERAGE[k] for k in PROBED[launcher]}
@@ -127,7 +125,7 @@ def test_bf16_compression_under_horovod_is_refused_with_one_line(tmp_path):
     result = run(horovodrun(2, "gloo", COMMON + STEPS + ["--compression", "bf16", "--output-dir", str(tmp_path)]),
                  timeout=120)
     assert result.returncode != 0
-    lines = [l for l in (result.stdout + result.stderr).splitlines() if "trainbridge: error:" in l]
+    lines = [text for text in (result.stdout + result.stderr).splitlines() if "trainbridge: error:" in text]
     assert len(lines) == 1 and "--compression bf16 is not available with --backend horovod" in lines[0], lines
     assert not (tmp_path / "last.pt").exists()
 

@@ -13,8 +13,8 @@ from typing import Optional
 
 import pytest
 import torch
-
 from conftest import TORCHRUN, check, load_final, plain, read_metrics, run, torchrun
+
 from trainbridge.cli.train import main as train_main
 
 GOOD = '''import torch
@@ -97,7 +97,9 @@ def train(tmp_path: Path, source: str, launcher: str, extra: Optional[list] = No
     if launcher == "in-process":
         code = train_main(args)
         return subprocess.CompletedProcess(args, code, "", "")
-    return run(torchrun(2, args) if launcher == "torchrun" else plain(args), timeout=150 if launcher == "torchrun" else 90)
+    if launcher == "torchrun":
+        return run(torchrun(2, args), timeout=150)
+    return run(plain(args), timeout=90)
 
 
 # name: (task source, extra options, the line's pattern)

@@ -1,10 +1,9 @@
 """End-to-end runs: exact evaluation on uneven shards, outputs contract, the main job's accuracy."""
-import json
 
 import torch
 import torch.nn.functional as F
-
 from conftest import check, load_final, plain, read_metrics, run, torchrun
+
 from trainbridge.data import load_mnist
 from trainbridge.models import build_model
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import psutil
-
 from conftest import PYTHON, TORCHRUN, Job, run, torchrun
+
 from trainbridge.data.designsafe_sample import make_sample
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,8 @@ Lines for tests/test_cuda.py:
     JOB <repr(job)> pg=<torch.distributed backend or none>
     ALLREDUCE device=<device of the result> value=<sum over ranks of 1.0>
     LOADER pin_memory=<bool> workers=<n> batch_device=<device> labels_device=<device>
-    TRAIN amp=<mode> scaler=<bool> scale=<loss scale or none> out_dtype=<dtype> first_loss=<f> last_loss=<f> finite=<bool>
+    TRAIN amp=<mode> scaler=<bool> scale=<loss scale or none> out_dtype=<dtype> first_loss=<f> last_loss=<f>
+          finite=<bool>
     SAVE background=<bool> equal=<bool> file_device=<device of the tensors in the file>
 """
 import faulthandler
@@ -50,7 +51,7 @@ def model_and_optimizer():
 
 model, optimizer = job.prepare(*model_and_optimizer(), amp=amp)
 losses, out_dtype = [], None
-for epoch in range(3):
+for _epoch in range(3):
     for x, y in loader:
         optimizer.zero_grad()
         with job.autocast():

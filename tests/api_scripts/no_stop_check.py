@@ -5,7 +5,7 @@ import trainbridge as tb
 
 job = tb.init()
 job.print("training")
-for step in range(600):  # a minute of "training"
+for _step in range(600):  # a minute of "training"
     time.sleep(0.1)
     job.heartbeat()
 job.print("finished")

@@ -29,7 +29,7 @@ def main(mode: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = job.prepare(model, optimizer)
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
-    for step in range(4):
+    for _step in range(4):
         optimizer.zero_grad()
         loss = model(x, skip_head=(mode == "unused" and job.rank == 1)).pow(2).mean()
         job.backward(loss)

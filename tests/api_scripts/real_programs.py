@@ -204,7 +204,7 @@ def dcgan(job, out_dir: str) -> None:
     fixed_noise = torch.randn(16, NZ, generator=torch.Generator().manual_seed(99)).to(job.device)
     real_label, fake_label = 1.0, 0.0
     step, previews, history = 0, [], []
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         for (real,) in loader:
             # Noise per sample of the global batch, the same on every world size: this rank takes its rows
             # by the loader's stride (rank, rank + world_size, ...).
@@ -308,7 +308,7 @@ def hf_classifier(job, out_dir: str) -> None:
                               collate_fn=pad_collate, num_workers=1)
     assert len(loader) == len(dataset) // micro_global == 41, len(loader)
     norms, lrs, updates = [], [], 0
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         model.train()
         seen = 0
         for i, batch in enumerate(loader):
@@ -368,7 +368,7 @@ def unused_branches(job, out_dir: str) -> None:
     loader = job.train_loader(TensorDataset(x, y), batch_size=per_rank_batch(job, GLOBAL_BATCH), seed=4)
     step = 0
     aux_grad_none = []  # per step: aux_head's gradient after backward is None (no rank used it)
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         for xb, yb in loader:
             optimizer.zero_grad()  # set_to_none
             use_aux = step % 2 == 0  # a function of the step: the same on every rank and world size

@@ -53,7 +53,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 workers = 2 if MODE.startswith("stuck") else 0
 loader = job.train_loader(Slow(), batch_size=2, num_workers=workers)
 steps = 6 if MODE == "stuck_read" else 3 if MODE == "step_short" and job.rank == 0 else 2
-for step, (x, y) in zip(range(steps), loader):
+for _step, (x, y) in zip(range(steps), loader):
     if MODE == "stop_one_rank" and job.rank == 0:
         job.should_stop()  # a collective rank 1 never calls
     optimizer.zero_grad()

@@ -47,7 +47,7 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 @hvd.elastic.run
 def train(state):
     print(f"START attempt={ATTEMPT} epoch={state.epoch} batch={state.batch}", flush=True)
-    for state.epoch in range(state.epoch, args.epochs + 1):
+    for state.epoch in range(state.epoch, args.epochs + 1):  # noqa: B020 - Horovod's elastic example, as written
         state.model.train()
         for batch_idx, (data, target) in enumerate(train_loader):
             if ATTEMPT == 0 and hvd.rank() == 1 and state.epoch == 1 and state.batch == args.crash_at_batch:

@@ -47,8 +47,9 @@ def raises(fn, errors, within):
 def phase_rejected():
     rank = hvd.rank()
     for label, (bad, valid, errors, _) in REJECTED_INPUTS.items():
-        raises(lambda: bad(f"all.{label}"), errors, FAST)
-        raises(lambda: (bad if rank == 0 else valid)(f"one.{label}"), errors, FAST)
+        raises(lambda bad=bad, label=label: bad(f"all.{label}"), errors, FAST)
+        call = bad if rank == 0 else valid
+        raises(lambda call=call, label=label: call(f"one.{label}"), errors, FAST)
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after_rejected").item() == hvd.size()
 
 

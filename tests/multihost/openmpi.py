@@ -16,8 +16,11 @@ from .hosts import CIDR, Host
 
 
 def write_rsh_agent(hosts: Sequence[Host], path: Path) -> Path:
-    cases = "".join(f"    {shlex.quote(h.name)}|{h.addr}) exec {' '.join(shlex.quote(w) for w in h.command(['bash', '-c']))} \"$*\" ;;\n"
-                    for h in hosts)
+    def case(h: Host) -> str:
+        command = " ".join(shlex.quote(w) for w in h.command(["bash", "-c"]))
+        return f"    {shlex.quote(h.name)}|{h.addr}) exec {command} \"$*\" ;;\n"
+
+    cases = "".join(case(h) for h in hosts)
     path.write_text("#!/bin/bash\n# Open MPI rsh agent for the two-host tests: AGENT HOST COMMAND...\n"
                     "host=$1; shift\n"
                     "case \"$host\" in\n" + cases +

@@ -10,11 +10,19 @@ import time
 import numpy
 import pytest
 import torch
-
 from python_child import run_python
+
 from trainbridge.api import files
-from trainbridge.api.files import (BackgroundWriter, CorruptCheckpoint, atomic_save, host_copy, read_file, save_all,
-                                   state_mismatch, unloadable_value)
+from trainbridge.api.files import (
+    BackgroundWriter,
+    CorruptCheckpoint,
+    atomic_save,
+    host_copy,
+    read_file,
+    save_all,
+    state_mismatch,
+    unloadable_value,
+)
 from trainbridge.errors import UserError
 
 Pair = collections.namedtuple("Pair", "first second")

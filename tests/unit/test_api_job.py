@@ -14,10 +14,10 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
+from one_rank_job import one_rank_job
 from torch.utils.data import TensorDataset
 
 import trainbridge as tb
-from one_rank_job import one_rank_job
 from trainbridge.api.process_end import current, excepthook
 from trainbridge.api.stop import StopSignal
 from trainbridge.errors import UserError

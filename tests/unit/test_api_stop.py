@@ -8,8 +8,8 @@ import signal
 
 import pytest
 import torch
-
 from python_child import run_python
+
 from trainbridge.api.stop import FOR_PEERS, WATCHDOG_EXIT_CODE, StopSignal, Watchdog
 
 NEVER = 3600.0  # a timeout no test here reaches: the watchdog thread must not end pytest

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from one_rank_job import one_rank_env
+
 from trainbridge.backends.base import GradientExchange
 from trainbridge.backends.torch_ddp import PreparedDDP, TorchBackend
 from trainbridge.errors import UserError
@@ -83,7 +83,7 @@ def test_gradients_after_backward_and_step_are_those_of_the_plain_model(backend)
     module = copy.deepcopy(plain)
     model, optimizer = backend.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1))
     reference = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(8, 3)
         for net, opt in ((model, optimizer), (plain, reference)):
             opt.zero_grad()

@@ -5,12 +5,19 @@ import socket
 
 import pytest
 import torch
-
 from python_child import run_python
+
 from trainbridge.api.files import atomic_save
 from trainbridge.errors import UserError
-from trainbridge.training.checkpoint import (FORMAT, LOCK, choose_resume, load_model_state, lock_output_dir,
-                                             read_checkpoint, set_aside_previous_run)
+from trainbridge.training.checkpoint import (
+    FORMAT,
+    LOCK,
+    choose_resume,
+    load_model_state,
+    lock_output_dir,
+    read_checkpoint,
+    set_aside_previous_run,
+)
 
 
 class Notes(list):

@@ -5,8 +5,8 @@ Its ``os._exit`` runs in a child ``python -c`` only; here, a call that would end
 import os
 
 import pytest
-
 from python_child import run_python
+
 from trainbridge.training import fault_tolerance
 from trainbridge.training.fault_tolerance import INJECTED_FAILURE_EXIT_CODE, maybe_fail
 

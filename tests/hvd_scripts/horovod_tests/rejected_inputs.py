@@ -56,8 +56,8 @@ REJECTED_INPUTS = {
 def test_rejected_inputs_raise_horovods_types():
     for label, (bad, _, errors, horovod_too) in REJECTED_INPUTS.items():
         if horovod_too or not hvd.using_real_horovod:
-            expect_error(lambda: bad(None), *errors)  # unnamed: the numbering must stay aligned
-            expect_error(lambda: bad(f"rejected.{label}"), *errors)
+            expect_error(lambda bad=bad: bad(None), *errors)  # unnamed: the numbering must stay aligned
+            expect_error(lambda bad=bad, label=label: bad(f"rejected.{label}"), *errors)
     # Nothing is left pending: unnamed operations keep their numbering, the engine keeps working.
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
     assert hvd.allgather(torch.ones(1)).tolist() == [1.0] * hvd.size()
@@ -72,6 +72,6 @@ def test_rejected_input_on_one_rank_fails_every_rank():
     for label, (bad, valid, errors, _) in REJECTED_INPUTS.items():
         call = bad if hvd.rank() == 0 else valid
         started = time.monotonic()
-        expect_error(lambda: call(f"one_rank.{label}"), *errors)
+        expect_error(lambda call=call, label=label: call(f"one_rank.{label}"), *errors)
         assert time.monotonic() - started < 10, (label, time.monotonic() - started)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2

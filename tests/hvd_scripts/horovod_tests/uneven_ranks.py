@@ -53,7 +53,7 @@ def test_join_allreduce():
             [torch.int32, torch.int64, torch.float32, torch.float64], DIMS, [0, 1], [False, True]):
         torch.manual_seed(1234)
 
-        def div(t, s):
+        def div(t, s, dtype=dtype):
             # 0.28.1 truncates integer averages (its test's floor_divide truncated in torch < 1.13), and
             # averages floats by multiplying with 1/size in the tensor's dtype (ScaleBuffer): with 3 ranks
             # that differs from t / 3 in the last bit, with 2 it does not.

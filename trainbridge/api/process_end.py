@@ -115,9 +115,8 @@ def leave_after_failure(code: int) -> NoReturn:
     without waiting for the peers, then exit at once with ``code``.
 
     At once, without the interpreter's teardown: the collective library's threads must not
-    hold the process open, and a gloo worker thread still giving back the last collective's
-    tensors when the teardown starts wants the GIL then, is made to exit, and aborts the
-    process (SIGABRT instead of ``code``).
+    hold the process open, and a gloo group alive at the teardown can abort the process
+    (``runtime/gloo_threads.py``).
     """
     if current.job is not None:
         current.job.backend.shutdown(clean=False)

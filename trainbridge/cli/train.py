@@ -61,8 +61,7 @@ def run_worker(cfg: TrainConfig) -> int:
 
 def run_spawned_worker(cfg: TrainConfig) -> NoReturn:
     """One rank started by ``--nproc``: it ends as a launched rank does (``exit_process``), not
-    through the interpreter's teardown, where a gloo thread still giving back the last
-    collective's tensors can abort the process."""
+    through the interpreter's teardown (see ``leave_after_failure``)."""
     exit_process(run_worker(cfg))
 
 

@@ -155,10 +155,8 @@ def _at_exit() -> None:
             dist.destroy_process_group()
         _owns_default_group = False
         # The engine's objects sit in reference cycles: collected now, the last reference to each
-        # gloo group goes, and its worker threads are joined (without the GIL) while Python still
-        # runs. A worker still giving back a finished collective's tensor when the interpreter's
-        # teardown starts wants the GIL then, is made to exit, and aborts the process
-        # ("terminate called without an active exception").
+        # gloo group goes and its worker threads are joined while Python still runs, not in the
+        # interpreter's teardown, where they can abort the process (runtime/gloo_threads.py).
         gc.collect()
 
 

@@ -188,9 +188,8 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
 
     # Imported before the group exists: torch.distributed.nn.functional takes the default
     # group as its functions' default arguments when it is first imported (torch._dynamo
-    # imports it, at a model's or optimizer's first step). Imported after this point, it
-    # would keep the group, and its gloo worker threads, until the interpreter's own
-    # teardown, where a worker still giving back a tensor aborts the process.
+    # imports it, with a model's first optimizer). Imported after this point, it would keep
+    # the group and its gloo threads until the interpreter's teardown (runtime/gloo_threads.py).
     import torch.distributed.nn.functional  # noqa: F401
 
     addr, port = rendezvous_address(env, timeout=timeout)

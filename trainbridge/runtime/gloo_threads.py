@@ -14,6 +14,13 @@ The fix for those Pythons: each worker thread makes its thread state once, here,
 it (``PyGILState_Ensure`` without a release), so it never takes that lock again. Each
 thread is reached through a callback on a collective's future, which gloo runs on the
 worker thread that completed it.
+
+At exit, the same release is why no gloo group may still be alive at the interpreter's
+teardown: once that has started, Python makes a thread that asks for the GIL exit, and for
+a gloo worker (a C++ thread) that aborts the process ("terminate called without an active
+exception", SIGABRT instead of the exit status). A rank that failed therefore leaves without
+the teardown (``api/process_end.py``), ``trainbridge.hvd`` frees its groups in its exit
+handler, and ``join_process_group`` keeps torch from holding the default group for good.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def main() -> int:
     if os.environ.get("SUITE_WATCHDOG_S"):
         # A hang prints every thread's stack instead of dying silently at the test's timeout.
         faulthandler.dump_traceback_later(float(os.environ["SUITE_WATCHDOG_S"]), exit=True)
-    at_exit = {"running": -1}
+    at_exit = {"rank": -1, "running": -1}  # -1: not reached (hvd.init or the checks failed)
     # Registered before hvd.init registers trainbridge.hvd's own exit handler, so it runs after that one.
     atexit.register(lambda: report_gloo_threads_at_exit(at_exit["rank"], at_exit["running"]))
     hvd.init()

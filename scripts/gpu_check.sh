@@ -49,14 +49,16 @@ step tests "${TESTS_LIMIT:-420}" "$PY" -m pytest -v -p no:cacheprovider --durati
 
 # Two identical runs of the default MNIST model (dropout, convolutions) without and with --deterministic.
 determinism() {
-    local dir mode run
+    local dir mode run start
     dir=$(mktemp -d)
     for mode in default deterministic; do
+        start=$(date +%s.%N)
         for run in 1 2; do
             "$PY" -m trainbridge.train --dataset mnist-sample --seed 7 --no-progress --batch-size 32 --max-steps 40 \
                 --backend local $([ $mode = deterministic ] && echo --deterministic) --output-dir "$dir/$mode$run" \
                 >/dev/null || return 1
         done
+        echo "$mode kernels: two runs in $("$PY" -c "import time; print(round(time.time() - $start, 1))") s"
         echo -n "$mode kernels, two identical runs: "
         "$PY" scripts/compare_weights.py "$dir/${mode}1/last.pt" "$dir/${mode}2/last.pt" || return 1
     done
@@ -73,7 +75,7 @@ step bench "${BENCH_LIMIT:-200}" "$PY" -m benchmarks --nproc 1 --workload mnist-
 cp runs/gpu-bench/bench.md runs/gpu-bench/bench.json "$OUT/" 2>/dev/null || true
 
 # The workload that gives the GPU real work: ResNet34 on DesignSafe-sized pictures (decoded and augmented on the host).
-step bench_designsafe "${BENCH_LIMIT:-250}" "$PY" -m benchmarks --nproc 1 --workload designsafe-resnet34 --repeats 1 \
+step bench_designsafe "${BENCH_LIMIT:-250}" "$PY" -m benchmarks --nproc 1 --workload designsafe-resnet34 --repeats "${DS_REPEATS:-1}" \
     --settle 0 --noisy-retries 0 --timeout 90 --out runs/gpu-bench-designsafe --only torch_gloo --only trainbridge_loop \
     --only ddp_tutorial --only accelerate --only fabric
 cp runs/gpu-bench-designsafe/bench.md "$OUT/bench-designsafe.md" 2>/dev/null || true

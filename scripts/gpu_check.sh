@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #   ONLY="tests bench" PYTEST_ARGS=--timeout=100 TESTS_LIMIT=250 bash scripts/gpu_check.sh OUTDIR
+#   ONLY=bench_designsafe DS_REPEATS=3 DS_ROWS="torch_gloo trainbridge_loop" bash scripts/gpu_check.sh OUTDIR
 #
 # No set-up: it uses the machine's own python3 with its torch (and Accelerate,
 # Lightning, nvidia-ml-py for the peer rows), and trainbridge from this checkout.
@@ -76,6 +77,6 @@ cp runs/gpu-bench/bench.md runs/gpu-bench/bench.json "$OUT/" 2>/dev/null || true
 
 # The workload that gives the GPU real work: ResNet34 on DesignSafe-sized pictures (decoded and augmented on the host).
 step bench_designsafe "${BENCH_LIMIT:-250}" "$PY" -m benchmarks --nproc 1 --workload designsafe-resnet34 --repeats "${DS_REPEATS:-1}" \
-    --settle 0 --noisy-retries 0 --timeout 90 --out runs/gpu-bench-designsafe --only torch_gloo --only trainbridge_loop \
-    --only ddp_tutorial --only accelerate --only fabric
+    --settle 0 --noisy-retries 0 --timeout 90 --out runs/gpu-bench-designsafe \
+    $(printf -- '--only %s ' ${DS_ROWS:-torch_gloo trainbridge_loop ddp_tutorial accelerate fabric})
 cp runs/gpu-bench-designsafe/bench.md "$OUT/bench-designsafe.md" 2>/dev/null || true

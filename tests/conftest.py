@@ -151,8 +151,12 @@ class Job:
     def __init__(self, cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> None:
         self.cmd, self.log = cmd, log
         self._out = open(log, "w")
+        # Ctrl-C's SIGINT at its default, as for a command started from a terminal: a shell starts a
+        # background job (`make test &`, nohup, some CI runners) with SIGINT ignored, and that carries
+        # through pytest to the job, which then rightly ignores the Ctrl-C a test sends.
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, text=True,
-                                     env=launcher_env(env), start_new_session=True)
+                                     env=launcher_env(env), start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def output(self) -> str:
         return self.log.read_text()

@@ -16,9 +16,12 @@ run:
 
 # Every test but the whole product runs of minutes (marker e2e), which `make test-e2e` runs; CI
 # (.ci/run) runs both, then `make test-torch-versions`.
+# Three workers on 2 cores: a launch's time is mostly torch's start-up and waiting on other processes, and the
+# cores sit a third idle with one. A worker takes a whole test file (tests/conftest.py), so shared runs start once.
+TEST_WORKERS ?= 3
 test: setup
 	$(MAKE) lint
-	$(VENV)/bin/python -m pytest -v --durations=25 -m "not e2e" tests
+	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not e2e" tests
 
 test-e2e: setup
 	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests

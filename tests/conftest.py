@@ -205,6 +205,20 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# ----- make test's parallel workers (pytest-xdist, --dist loadgroup) -----------------------------------------
+SESSION_RUNS = {"parity_spawn_run", "short_sgd_torchrun_run"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """One worker takes a whole test file, so that its module-scoped runs start once (and the two-host
+    namespaces of one file are never made twice at a time); the files that share a session run go to one
+    worker together, so that run also starts once."""
+    files = {item.nodeid.split("::")[0] for item in items if SESSION_RUNS & set(item.fixturenames)}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("session runs" if path in files else path))
+
+
 # ----- runs that tests in several modules check, each started once per session -----------------------------
 @pytest.fixture(scope="session")
 def parity_spawn_run(tmp_path_factory) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -217,6 +218,47 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group("session runs" if path in files else path))
+
+
+# ----- where the suite's CPU time goes: pytest --cpu-report N ----------------------------------------------
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the processes it has waited for (a launcher waits for its ranks)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--cpu-report", type=int, default=0, metavar="N",
+                     help="list the N tests whose setup, call and teardown used the most CPU time (their processes "
+                          "included): the suite is CPU-bound on 2 cores, so this is where its time goes")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    item.stash[CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown" and CPU_AT_START in item.stash:  # user_properties travel to xdist's controller
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[CPU_AT_START]))
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    count = config.getoption("--cpu-report")
+    if not count:
+        return
+    used = [(dict(report.user_properties).get("cpu_seconds", 0.0), report.nodeid)
+            for reports in terminalreporter.stats.values() for report in reports
+            if getattr(report, "when", None) == "teardown"]
+    terminalreporter.write_sep("=", f"CPU time of the {count} costliest tests, of {sum(s for s, _ in used):.0f} s")
+    for seconds, nodeid in sorted(used, reverse=True)[:count]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+
+
+CPU_AT_START = pytest.StashKey[float]()
 
 
 # ----- runs that tests in several modules check, each started once per session -----------------------------

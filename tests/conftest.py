@@ -221,6 +221,9 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 # ----- where the suite's CPU time goes: pytest --cpu-report N ----------------------------------------------
+CPU_AT_START = pytest.StashKey[float]()
+
+
 def _cpu_seconds() -> float:
     """CPU time of this process and of the processes it has waited for (a launcher waits for its ranks)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -256,9 +259,6 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     terminalreporter.write_sep("=", f"CPU time of the {count} costliest tests, of {sum(s for s, _ in used):.0f} s")
     for seconds, nodeid in sorted(used, reverse=True)[:count]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
-
-
-CPU_AT_START = pytest.StashKey[float]()
 
 
 # ----- runs that tests in several modules check, each started once per session -----------------------------

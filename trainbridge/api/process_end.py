@@ -38,8 +38,14 @@ def exit_process(code: int) -> NoReturn:
     kill a rank that had finished its work.
     A failed rank skips MPI_Finalize, which could wait on peers that are gone; mpirun
     then reports it as failed, as it should.
+    A failed rank also skips the collection: its process group is still alive, held by a
+    DDP model in a reference cycle, and collecting it would run the group's destructor
+    with the GIL held while a gloo thread, finishing the last collective, waits for the GIL
+    under the lock that destructor takes: a deadlock (seen in CI: rank 0 hung after its
+    one-line error, and its peer with it). kill_workers ends the loaders' workers anyway.
     """
-    gc.collect()
+    if code == 0:
+        gc.collect()
     kill_workers()  # live loaders' workers, as Python's own exit would terminate them
     if code == 0:
         finalize_mpi()

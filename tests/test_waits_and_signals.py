@@ -208,6 +208,26 @@ def test_a_bug_under_tb_spawn_keeps_its_traceback(tmp_path):
     assert re.search(r'File ".*bug\.py", line 5, in lookup', result.stderr), result.stderr[-3000:]
 
 
+def test_a_bug_under_torchrun_keeps_its_traceback_and_exits_1_with_the_group_alive(tmp_path):
+    # A bug after a DDP step, with DataLoader workers live: its traceback, exit status 1
+    # (not SIGABRT from a gloo group alive at the interpreter's teardown), no worker left behind.
+    script = tmp_path / "bug.py"
+    script.write_text(
+        "import torch\nimport trainbridge as tb\n\n\ndef lookup(table):\n    return table['missing']\n\n\n"
+        "job = tb.init()\nmodel = torch.nn.Linear(4, 2)\n"
+        "model, opt = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(32, 4))\n"
+        "for (x,) in job.train_loader(data, batch_size=4, num_workers=1):\n"
+        "    job.backward(model(x).sum())\n    job.step(opt)\n    lookup({})\n")
+    result = run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script)], timeout=120)
+    log = result.stdout + result.stderr
+    assert result.returncode == 1, log[-3000:]
+    # torchrun stops the other rank once the first has exited: it may be gone before its traceback.
+    assert re.search(r'File ".*bug\.py", line 6, in lookup', log), log[-3000:]
+    assert "exitcode  : 1" in log and "exitcode  : -6" not in log and "Signal 6" not in log, log[-3000:]
+    assert not survivors(tmp_path)
+
+
 def test_a_worker_that_never_delivers_a_batch_ends_its_rank_with_one_line(tmp_path):
     # Each rank's DataLoader workers deliver 4 batches, then hang in a read. Waiting for one's own
     # workers is bounded like a wait for a peer: one line, the workers killed, the job ended.

@@ -589,7 +589,7 @@ class Job:
 
     # ----- the end --------------------------------------------------------------
     def shutdown(self, clean: bool = True) -> None:
-        """Leave the job. ``clean=False`` after a failure: wait for no other rank."""
+        """Leave the job. ``clean=False`` after a failure, before this process exits: wait for no other rank."""
         self.watchdog.disarm()
         try:
             self._writer.wait()  # never leave with a checkpoint half-written

@@ -110,19 +110,19 @@ def excepthook(exc_type, exc, tb) -> None:
     """``sys.excepthook`` from ``tb.init`` on: bad input and a peer's failure are one line (:func:`report_failure`)."""
     sys.stderr = sys.__stderr__  # not a capture buffer that os._exit would discard
     code = report_failure(exc)
-    if code is None:
+    if code is None:  # a bug: its traceback, then the exit status Python gives it
         sys.__excepthook__(exc_type, exc, tb)
-        return
+        code = 1
     leave_after_failure(code)
 
 
 def leave_after_failure(code: int) -> NoReturn:
-    """End a rank whose failure :func:`report_failure` has reported: leave the process group
-    without waiting for the peers, then exit at once with ``code``.
+    """End a rank whose failure has been reported: leave the job without waiting for the
+    peers, then exit at once with ``code``.
 
     At once, without the interpreter's teardown: the collective library's threads must not
     hold the process open, and a gloo group alive at the teardown can abort the process
-    (``runtime/gloo_threads.py``).
+    (``runtime/gloo_threads.py``). The group is left to this exit (``TorchBackend.shutdown``).
     """
     if current.job is not None:
         current.job.backend.shutdown(clean=False)

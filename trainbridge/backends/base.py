@@ -93,7 +93,8 @@ class Backend(abc.ABC):
     def shutdown(self, clean: bool = True) -> None:
         """Leave the job and release the collective library.
 
-        ``clean=False`` after a failure: skip anything that waits for other ranks.
+        ``clean=False`` after a failure, just before the process exits: skip anything that waits
+        for other ranks, and what that exit does anyway.
         """
 
     # ----- rank layout ------------------------------------------------------

@@ -149,7 +149,12 @@ class TorchBackend(Backend):
                 # now, while their process group lives, not at interpreter exit.
                 gc.collect()
                 dist.barrier()
-            dist.destroy_process_group()
+                dist.destroy_process_group()
+            # After a failure the group stays alive until os._exit, which every failed rank
+            # reaches next (api/process_end.py): the exit closes its connections as quickly, and
+            # destroying the group here could run its destructor with the GIL held while a gloo
+            # thread, finishing the last collective, waits for the GIL under that destructor's
+            # lock (a deadlock seen in CI from a DDP model's collection, the same destructor).
 
     def wrap(
         self,

@@ -2,7 +2,7 @@
 
 Reference: an uninterrupted 2-process run of plaincnn/SGD, 2 epochs of 62 steps.
 Interrupted and resumed runs must end with bitwise the same weights (same
-backend and world size), or within 1e-5 across backends.
+backend and world size), or within REORDERING across backends and world sizes.
 """
 import os
 import re
@@ -31,6 +31,10 @@ from conftest import (
 STEPS = 124  # 2 epochs x 62 steps of 2 x 32 samples (4,000 // 64; the 32 left over wait for a later epoch)
 COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset", "mnist-sample", "--seed", "5",
           "--batch-size", "32", "--epochs", "2", "--threads", "1", "--no-progress"]
+# Another backend or world size sums the same gradients in another order: float32 rounding, compounded over
+# the 124 steps. One process with batch 64 against the 2 x 32 reference, never interrupted: 5.6e-5 apart on an
+# AVX2 CPU (AMD EPYC, 2026-11-26; under 1e-5 on earlier machines). A step missed or trained twice: 8.2e-3.
+REORDERING = 1e-4
 
 
 def torchrun_restarts(nproc, args, restarts):
@@ -54,15 +58,6 @@ def uninterrupted_horovod_weights(tmp_path_factory, args):
 @pytest.fixture(scope="module")
 def horovod_reference(tmp_path_factory):
     return uninterrupted_horovod_weights(tmp_path_factory, COMMON)
-
-
-def test_torchrun_restart_after_a_mid_epoch_crash_ends_bitwise_identical(tmp_path, torch_reference):
-    result = check(run(torchrun_restarts(2, COMMON + ["--checkpoint-every", "10", "--fail-at-step", "87",
-                                                     "--output-dir", str(tmp_path)], restarts=2), timeout=300))
-    assert "rank 1 exits abruptly before step 87" in result.stdout + result.stderr
-    assert "resuming from" in result.stdout and (tmp_path / ".failed-at-step-87").exists()
-    final = load_final(tmp_path)
-    assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
 
 
 def horovodrun_elastic(tmp_path, args):
@@ -147,7 +142,7 @@ def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference):
     assert f"written by {first} with 2 processes" in result.stdout
     final = load_final(tmp_path)
     assert final["step"] == STEPS and final["backend"] == second
-    assert max_abs_diff(final["model"], torch_reference) < 1e-5
+    assert max_abs_diff(final["model"], torch_reference) < REORDERING
 
 
 def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, torch_reference):
@@ -158,7 +153,7 @@ def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, tor
     assert "sample 2560 of the epoch, step 40" in result.stdout
     final, rows = load_final(tmp_path), read_metrics(tmp_path)
     assert final["step"] == STEPS and rows[-1]["samples"] == STEPS * 64 and rows[-1]["world_size"] == 1
-    assert max_abs_diff(final["model"], torch_reference) < 1e-5
+    assert max_abs_diff(final["model"], torch_reference) < REORDERING
 
 
 def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_reference):
@@ -174,11 +169,11 @@ def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_referen
     assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
 
 
-@pytest.mark.parametrize("shm", ["auto", "off"])
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shm, tmp_path, torch_reference):
-    # The stop flag travels through the shared-memory mailbox (auto, one CPU host) or
-    # gloo (off); either way the rank that got no signal must stop at the same step.
-    args = COMMON + ["--shm-allreduce", shm, "--output-dir", str(tmp_path)]
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_through_gloo(tmp_path, torch_reference):
+    # The stop flag travels through gloo here (--shm-allreduce off): the rank that got no signal must stop
+    # at the same step. Through the shared-memory mailbox (the default on one CPU host), and for a torchrun
+    # restart after a mid-epoch crash: tests/test_resume_randomness.py, with dropout.
+    args = COMMON + ["--shm-allreduce", "off", "--output-dir", str(tmp_path)]
     job = Job(torchrun(2, args), tmp_path / "log")
     job.wait_for_output("epoch 1 step 62", timeout=120)
     job.rank_process(1).send_signal(signal.SIGTERM)  # only rank 1: a node-local eviction notice

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import TORCHRUN, Job, bitwise_equal, check, load_final, max_abs_diff, run, torchrun
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "random_loop.py")
@@ -127,8 +128,10 @@ def test_train_convnet_dropout_killed_mid_epoch_resumes_bitwise(tmp_path, cli_re
     cmd = torchrun(2, CLI + ["--checkpoint-every", "10", "--fail-at-step", "87", "--output-dir", str(tmp_path)])
     result = check(run(cmd[:1] + ["--max-restarts=1"] + cmd[1:], timeout=300))
     assert "rank 1 exits abruptly before step 87" in result.stdout + result.stderr
-    # Resumed mid-epoch 2, from the step-80 checkpoint: 18 steps of 64 samples into it.
-    assert "epoch 2, sample 1152 of the epoch, step 80" in result.stdout
+    # Resumed mid-epoch 2, from the step-80 checkpoint: 18 steps of 64 samples into it; the restarted
+    # rank 1 did not fail again (the marker file says it has failed once).
+    assert "resuming from" in result.stdout and "epoch 2, sample 1152 of the epoch, step 80" in result.stdout
+    assert (tmp_path / ".failed-at-step-87").exists()
     final = load_final(tmp_path)
     assert final["step"] == CLI_STEPS
     assert bitwise_equal(final["model"], cli_reference), max_abs_diff(final["model"], cli_reference)
@@ -138,10 +141,13 @@ def test_train_convnet_dropout_sigterm_then_relaunch_resumes_bitwise(tmp_path, c
     args = CLI + ["--output-dir", str(tmp_path)]
     job = Job(torchrun(2, args), tmp_path / "log")
     job.wait_for_output("epoch 1 step 62", timeout=120)
-    job.rank_process(1).send_signal(signal.SIGTERM)  # mid epoch 2
-    job.wait(timeout=120)
+    job.rank_process(1).send_signal(signal.SIGTERM)  # mid epoch 2; rank 0 learns it through the shared memory
+    assert job.wait(timeout=120) != 0
     stops = re.findall(r"stopped by SIGTERM after step (\d+)", job.output())
     assert len(stops) == 1 and 62 < int(stops[0]) < CLI_STEPS, job.output()[-3000:]
+    # Both ranks stopped at that step: rank 0's checkpoint holds it, with both ranks' random streams.
+    checkpoint = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert checkpoint["step"] == int(stops[0]) and len(checkpoint["rng"]["torch"]) == 2
     result = check(run(torchrun(2, args), timeout=240))
     assert f"step {stops[0]}" in result.stdout and "resuming from" in result.stdout
     final = load_final(tmp_path)

@@ -68,8 +68,13 @@ def test_sigkill_of_a_rank_mid_epoch_resumes_bitwise(tmp_path, reference):
     job = Job(loop(2, tmp_path, "--workers", "2", "--checkpoint-every", "7", "--step-delay", "0.02", restarts=1),
               tmp_path / "log")
     wait_for(tmp_path / "last.pt", job)
-    rank_process(job, SCRIPT, 1).send_signal(signal.SIGKILL)
+    rank_process(job, SCRIPT, 1).send_signal(signal.SIGKILL)  # wherever it is: mid-step, mid-collective, mid-save
     assert job.wait(timeout=240) == 0, job.output()[-3000:]
+    log = job.output()
+    # torchrun saw a failure (rank 1's SIGKILL, or rank 0's broken collective if it noticed first) and
+    # restarted both: two launches of the job, each announced once.
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", log), log[-3000:]
+    assert log.count("[trainbridge] threads per rank") == 2, log[-3000:]
     resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", job.output())]
     assert resumed and all(0 < s < STEPS and s % 7 == 0 and s % 20 for s in resumed), job.output()[-3000:]
     final = load_final(tmp_path)

@@ -37,11 +37,6 @@ COMMON = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--datase
 REORDERING = 1e-4
 
 
-def torchrun_restarts(nproc, args, restarts):
-    cmd = torchrun(nproc, args)
-    return cmd[:1] + [f"--max-restarts={restarts}"] + cmd[1:]
-
-
 @pytest.fixture(scope="module")
 def torch_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ref")

@@ -150,11 +150,9 @@ class TorchBackend(Backend):
                 gc.collect()
                 dist.barrier()
                 dist.destroy_process_group()
-            # After a failure the group stays alive until os._exit, which every failed rank
-            # reaches next (api/process_end.py): the exit closes its connections as quickly, and
-            # destroying the group here could run its destructor with the GIL held while a gloo
-            # thread, finishing the last collective, waits for the GIL under that destructor's
-            # lock (a deadlock seen in CI from a DDP model's collection, the same destructor).
+            # After a failure the group is left to os._exit, which every failed rank reaches next
+            # and which closes its connections as quickly: its destructor, run here, could deadlock
+            # with a gloo thread (why: exit_process, api/process_end.py).
 
     def wrap(
         self,

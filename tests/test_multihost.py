@@ -346,11 +346,17 @@ def test_a_failed_gloo_connection_ends_every_rank_within_the_timeout(hosts, tmp_
     took = [p.ended - p.started for p in procs]
     print(f"gloo start-up failure: exits {codes} after {took[0]:.1f}s (tbnode1) and {took[1]:.1f}s (tbnode2)")
     assert not hang, hang
+    waits = []
     for proc, seconds in zip(procs, took):
         assert proc.proc.returncode != 0, proc.describe()
-        # torchrun's own start-up (agent rendezvous, imports) comes on top of trainbridge's wait.
-        assert seconds < START_TIMEOUT + 5 + 15, f"{proc.host.name} ended after {seconds:.1f}s\n{proc.describe()}"
         assert "trainbridge: error:" in proc.output(), proc.describe()
+        waits += [int(w) for w in re.findall(r"waited (\d+)s in start of the job", proc.output())]
+        # On top of the join's bound come torchrun's own start-up and the imports: 19.5 s on a slow
+        # 2-core CI machine running three test workers. A hang (as once in connectFullMesh) is wait_all's.
+        assert seconds < START_TIMEOUT + 5 + 45, f"{proc.host.name} ended after {seconds:.1f}s\n{proc.describe()}"
+    # The rank left waiting for the peer that failed ends at the join's bound (timeout + 5 s; the
+    # watchdog looks once a second), whatever the machine's start-up took.
+    assert waits and max(waits) <= START_TIMEOUT + 5 + 1, (waits, [p.describe() for p in procs])
 
 
 def test_an_exported_master_addr_is_honoured_under_mpirun(hosts, rsh_agent, tmp_path):

@@ -76,12 +76,11 @@ def initial_weights():
 # ----- 1. the same weights under every launcher -------------------------------------------------
 F64 = ["--float64", "--global-batch", "60"]
 
+# horovodrun --mpi, and mpirun with Horovod (auto) and with --backend torch: tests/test_real_programs.py
+# launches four programs on this API under each, with the same and stronger checks.
 RUNS = {
     "torchrun": lambda a: torchrun(2, OWN_LOOP, a),
     "horovodrun-gloo": lambda a: horovodrun(2, "gloo", OWN_LOOP, a),
-    "horovodrun-mpi": lambda a: horovodrun(2, "mpi", OWN_LOOP, a),
-    "mpirun": lambda a: mpirun(2, OWN_LOOP, a),  # auto: Horovod, which is installed
-    "mpirun-torch": lambda a: mpirun(2, OWN_LOOP, a + ["--backend", "torch"]),
     "spawn": lambda a: python(OWN_LOOP, a + ["--nproc", "2"]),
     # One process through the torch backend (a 1-rank gloo group), against the local backend's reference.
     "python-torch-1": lambda a: python(OWN_LOOP, a + ["--backend", "torch"]),

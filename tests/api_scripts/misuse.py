@@ -1,7 +1,9 @@
 """Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
 
 Rank-divergent inputs (run under a launcher with 2 ranks):
-    dataset-size, seed, batch-size, lr, optimizer, shapes, allreduce-dtype, allreduce-shape
+    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape;
+    "rank-divergent MODE...": those modes one after the other in one job, each error caught and printed
+    by rank 0 as "MODE: <its message>" (the job goes on to the next), "MODE: no error" if none came
 Misuse in one process:
     init-twice, prepare-twice, save-not-a-dict, save-rng-key, save-numpy, save-namespace,
     save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model
@@ -20,8 +22,24 @@ from torch import nn
 import trainbridge as tb
 
 
-def main(mode: str, out: str) -> None:
+def main(mode: str, out: str, *modes: str) -> None:
     job = tb.init(timeout=60)
+    if mode != "rank-divergent":
+        misuse(job, mode, out)
+        job.print("no error")
+        job.exit(0)
+    for each in modes:
+        try:
+            misuse(job, each, out)
+        except tb.UserError as error:  # raised on every rank: the check compared every rank's value
+            job.print(f"{each}: {error}")
+        else:
+            job.print(f"{each}: no error")
+        job.barrier()
+    job.exit(0)
+
+
+def misuse(job: tb.Job, mode: str, out: str) -> None:
     rank = job.rank
     data = torch.utils.data.TensorDataset(torch.randn(1000 + (rank if mode == "dataset-size" else 0), 4))
     hidden = 8 + (rank if mode == "shapes" else 0)
@@ -56,9 +74,7 @@ def main(mode: str, out: str) -> None:
         job.save({"model": model, "loader": loader}, path)
         other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
         job.load(path, into={"model": other})
-    job.print("no error")
-    job.exit(0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *sys.argv[3:])

@@ -23,8 +23,12 @@ test: setup
 	$(MAKE) lint
 	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not e2e" tests
 
+# The bench's smoke runs alone (they time their runs, and under other load their 14 runs outlast their
+# limits); then the docs' pages on TEST_WORKERS workers, test by test (each page is one long shell).
 test-e2e: setup
-	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests
+	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests/test_bench.py; bench=$$?; \
+	$(VENV)/bin/python -m pytest -v --durations=10 -n $(TEST_WORKERS) --dist load -m e2e --ignore tests/test_bench.py \
+		tests && exit $$bench
 
 # The fast inner loop: the in-process tests only (tests/unit, one file per source module, and the
 # older files that start no launcher), about 80 s on 2 busy cores. It skips the set-up (scripts/setup.sh

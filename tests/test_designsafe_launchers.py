@@ -4,6 +4,8 @@ The sample runs train from scratch (--no-pretrained: no download here) at 64 px,
 so they use a higher learning rate than the task's 1e-4 fine-tuning default
 (--lr 1e-3) and --plateau-patience 1, so that the plateau scheduler really
 steps within a few epochs and the per-rank learning rates are checked after it.
+The 12-epoch accuracy runs are the DesignSafe guide's own commands, run as written by
+tests/test_docs_literal.py and checked by ``assert_sample_run_reached_80_percent``.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ LAUNCHERS = {
 }
 SAMPLE_RUN = ["--task", "designsafe", "--no-pretrained", "--image-size", "64", "--batch-size", "8",
               "--lr", "1e-3", "--plateau-patience", "1", "--no-progress"]
-ACCURACY_EPOCHS = 12
+ACCURACY_EPOCHS = 12  # the guide's runs
 TIMEOUT = 540  # seconds per multi-process run (about 2-4 min on 2 busy cores); a hang fails the test
 
 
@@ -36,13 +38,12 @@ def sample(tmp_path_factory) -> str:
     return str(root)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_sample_reaches_80_percent_and_learning_rates_agree(launcher, sample, tmp_path):
-    out = tmp_path / "out"
-    result = check(run(LAUNCHERS[launcher]([*SAMPLE_RUN, "--data-root", sample, "--epochs", str(ACCURACY_EPOCHS),
-                                            "--output-dir", str(out)]), timeout=TIMEOUT))
-    assert "SYNTHETIC" in result.stdout  # the log says what the data is
+def assert_sample_run_reached_80_percent(out: Path) -> None:
+    """What a 12-epoch run of ``SAMPLE_RUN`` on 2 ranks must leave in ``out``.
+
+    The guide's commands (docs/guides/designsafe.md) are those runs, under torchrun and horovodrun:
+    tests/test_docs_literal.py runs them as written and checks their folders with this.
+    """
     rows = [r for r in read_metrics(out) if "event" not in r]
     assert len(rows) == ACCURACY_EPOCHS and all(r["world_size"] == 2 for r in rows)
 
@@ -62,7 +63,6 @@ def test_sample_reaches_80_percent_and_learning_rates_agree(launcher, sample, tm
     assert test_report["samples"] == 18
     for name in ("confusion_val.png", "confusion_test.png", "final.pt"):
         assert (out / name).stat().st_size > 0
-    assert "confusion matrix (rows: true, columns: predicted)" in result.stdout
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))

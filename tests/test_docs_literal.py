@@ -18,6 +18,7 @@ from typing import List
 
 import pytest
 from conftest import run
+from test_designsafe_launchers import assert_sample_run_reached_80_percent
 from test_docs import marked_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +32,12 @@ PAGES = {  # page -> the output folders its commands must leave a finished run i
     "docs/guides/fault-tolerance.md": (["runs/ft", "runs/elastic"],
                                        ["--fail-at-step: rank 1 exits abruptly before step 25"] * 2),
     "docs/guides/designsafe.md": (["runs/designsafe-sample", "runs/designsafe-sample-hvd"],
-                                  ["is a SYNTHETIC sample"] * 2),
+                                  ["is a SYNTHETIC sample"] * 2
+                                  + ["confusion matrix (rows: true, columns: predicted)"] * 2),
 }
+# What a page's finished runs must also show, folder by folder: the guide's DesignSafe runs (torchrun,
+# horovodrun) are the sample's accuracy and learning-rate runs, so they are checked here, not run again.
+RUN_CHECKS = {"docs/guides/designsafe.md": assert_sample_run_reached_80_percent}
 # Lines a page's commands may print, by design. The torchrun restart of the fault-tolerance page: the rank that
 # survives the injected failure may report it, in the one line of a dead peer, before torchrun's SIGTERM reaches
 # it (a race) and torchrun starts the workers again. Horovod elastic's survivors recover inside the run: no line.
@@ -70,3 +75,5 @@ def test_the_pages_commands_run_as_written_in_order(page, tmp_path):
         assert (tmp_path / folder / "final.pt").is_file(), f"{folder} holds no finished run:\n{output[-3000:]}"
     for line in set(lines):
         assert output.count(line) >= lines.count(line), (line, output[-3000:])
+    for folder in folders if page in RUN_CHECKS else []:
+        RUN_CHECKS[page](tmp_path / folder)

@@ -36,7 +36,8 @@ BENCH_TIMEOUT = 900
 def test_quick_bench_reports_every_configuration(tmp_path):
     """The CI smoke test as the README gives it: ``python -m benchmarks --quick`` runs MNIST's every configuration."""
     out = tmp_path / "bench"
-    result = check(run([PYTHON, "-m", "benchmarks", "--quick", "--out", str(out)], timeout=BENCH_TIMEOUT, cwd=str(ROOT)))
+    result = check(run([PYTHON, "-m", "benchmarks", "--quick", "--out", str(out)], timeout=BENCH_TIMEOUT,
+                       cwd=str(ROOT)))
     assert "T1 torch backend vs hand-written DDP" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["ok"] is True and report["settings"]["mode"] == "quick"

@@ -17,11 +17,13 @@ run:
 # Every test but the whole product runs of minutes (marker e2e), which `make test-e2e` runs; CI
 # (.ci/run) runs both, then `make test-torch-versions`.
 # Three workers on 2 cores: a launch's time is mostly torch's start-up and waiting on other processes, and the
-# cores sit a third idle with one. A worker takes a whole test file (tests/conftest.py), so shared runs start once.
+# cores sit a third idle with one. A worker takes a whole test file, so a file's shared runs start once; the
+# costliest files first, in the order tests/conftest.py gives (--no-loadscope-reorder keeps it).
 TEST_WORKERS ?= 3
 test: setup
 	$(MAKE) lint
-	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not e2e" tests
+	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "not e2e" tests
 
 # The bench's smoke runs alone (they time their runs, and under other load their 14 runs outlast their
 # limits); then the docs' pages on TEST_WORKERS workers, test by test (each page is one long shell).

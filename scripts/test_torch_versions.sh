@@ -8,9 +8,7 @@
 # checkout (PYTHONPATH). PyPI has only CUDA builds of these releases: torch and its nvidia
 # packages are about 3.3 GB per version, which imports on a CPU machine (measured here: about
 # 50 MB/s from PyPI). The tests that start horovodrun or mpirun, or compare with the real
-# Horovod, need Horovod in that venv and are left out. The tests run on TEST_WORKERS pytest-xdist
-# workers, test by test (--dist load): serially they left a core idle (554 CPU-s in 408 s here), and
-# grouped by file (make test's way) test_api.py alone was the run.
+# Horovod, need Horovod in that venv and are left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -19,11 +17,10 @@ for version in "$@"; do
     start=$SECONDS
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$version" numpy psutil pytest \
-        pytest-timeout pytest-xdist scikit-learn || { status=1; continue; }
+        pytest-timeout scikit-learn || { status=1; continue; }
     echo "[torch $version] $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $((SECONDS - start)) s"
     start=$SECONDS
-    PYTHONPATH=$PWD "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-3}" --dist load \
-        tests/test_api.py tests/test_hvd_api.py \
+    PYTHONPATH=$PWD "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_hvd_api.py \
         tests/test_hvd_units.py tests/test_hvd_faults.py tests/test_loaders.py \
         -k "not horovodrun and not mpirun and not real_horovod and not migration_table" || status=1
     echo "[torch $version] tests took $((SECONDS - start)) s"

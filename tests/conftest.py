@@ -206,18 +206,26 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ----- make test's parallel workers (pytest-xdist, --dist loadgroup) -----------------------------------------
-SESSION_RUNS = {"parity_spawn_run", "short_sgd_torchrun_run"}
+# ----- make test's parallel workers (pytest-xdist --dist loadfile --no-loadscope-reorder) -------------------
+# A worker takes a whole test file, so that a file's module-scoped runs start once (spread test by test, each
+# worker started them again). The costliest files go first, so that none is left running alone at the end;
+# the in-process tests (tests/unit) come last and fill the cores as the launches end. The order is from
+# pytest --cpu-report on a 2-core machine; a file not listed keeps its place after these.
+COSTLIEST_FIRST = [
+    "tests/test_multihost.py",
+    "tests/test_fault_tolerance.py",
+    "tests/test_speed_features.py",
+    "tests/test_resume_randomness.py",
+    "tests/test_api.py",
+    "tests/test_hvd_api.py",
+    "tests/test_real_programs.py",
+    "tests/test_parity.py",
+]
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """One worker takes a whole test file, so that its module-scoped runs start once (and the two-host
-    namespaces of one file are never made twice at a time); the files that share a session run go to one
-    worker together, so that run also starts once."""
-    files = {item.nodeid.split("::")[0] for item in items if SESSION_RUNS & set(item.fixturenames)}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("session runs" if path in files else path))
+    place = {path: n for n, path in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.nodeid.split("::")[0], len(place)))  # stable: the rest keep order
 
 
 # ----- where the suite's CPU time goes: pytest --cpu-report N ----------------------------------------------

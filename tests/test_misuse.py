@@ -94,7 +94,8 @@ def test_a_rank_divergent_input_under_torchrun_ends_the_job_in_one_line(tmp_path
     started = time.monotonic()
     result = run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "shapes", str(tmp_path)], timeout=120)
     assert_one_line(result, RANK_DIVERGENT["shapes"])
-    assert time.monotonic() - started < 45
+    # Said at once: the watchdog would end the job only 65 s after start-up (timeout 60 s + 5 s).
+    assert time.monotonic() - started < 60
     assert "another rank" not in result.stdout + result.stderr
 
 

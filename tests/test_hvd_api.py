@@ -46,9 +46,10 @@ SINGLE_PROCESS_NA = {
 }
 # Under horovodrun: Adasum is the real Horovod's own op, and an input rejected on one rank only
 # leaves the real Horovod's other ranks waiting for ever (the torch backend fails them all).
-# test_static_process_sets re-initializes, which the real Horovod does not reliably survive under horovodrun.
+# Two checks re-initialize, which the real Horovod does not reliably survive under horovodrun --gloo
+# (an upstream bug in its rendezvous server: horovod_tests/common.py's REAL_HOROVOD_REINIT).
 REAL_HOROVOD_NA = {"test_adasum_outside_horovodrun", "test_rejected_input_on_one_rank_fails_every_rank",
-                   "test_static_process_sets"}
+                   "test_static_process_sets", "test_is_initialized_and_reinit"}
 TIMEOUT = 240
 WATCHDOG = {"SUITE_WATCHDOG_S": str(TIMEOUT - 20)}  # stacks of a hang, before the timeout kills it
 

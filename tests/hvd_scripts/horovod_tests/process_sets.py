@@ -15,6 +15,7 @@ from .common import (
     ALL_TYPES,
     DIMS,
     GRAD_TYPES,
+    REAL_HOROVOD_REINIT,
     REDUCE_TYPES,
     EvenOddSets,
     NotApplicable,
@@ -177,9 +178,8 @@ def test_static_process_sets():
     """hvd.init(process_sets=[...]): Horovod's test_process_sets_static (duplicates fail init on every rank)."""
     multi_rank_only()
     if hvd.using_real_horovod:
-        # Horovod's own test runs in a fresh process; a second hvd.init() of the real Horovod under
-        # horovodrun --gloo hangs now and then (2 of 6 tries of init/allreduce/shutdown/init here).
-        raise NotApplicable("the real Horovod's re-init under horovodrun hangs intermittently")
+        # Horovod's own test runs in a fresh process (2 of 6 tries of init/allreduce/shutdown/init hung here).
+        raise NotApplicable(REAL_HOROVOD_REINIT)
     rank, size = hvd.rank(), hvd.size()
     hvd.shutdown()
     middle = range(size - 1, 0, -1) if rank else range(1, size)  # the order inside a set does not matter

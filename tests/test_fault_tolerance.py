@@ -6,6 +6,7 @@ backend and world size), or within REORDERING across backends and world sizes.
 """
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -130,10 +131,21 @@ def test_sigkill_during_a_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path
     assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
 
 
+@pytest.fixture(scope="module")
+def torch_first_40_steps(tmp_path_factory):
+    """The output folder of COMMON's first 40 steps under torchrun: two tests resume copies of it."""
+    out = tmp_path_factory.mktemp("torch_40_steps")
+    check(run(torchrun(2, COMMON + ["--max-steps", "40", "--output-dir", str(out)]), timeout=240))
+    return out
+
+
 @pytest.mark.parametrize("first,second", [("torch", "horovod"), ("horovod", "torch")])
-def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference):
+def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference, request):
     launch = {"torch": lambda a: torchrun(2, a), "horovod": lambda a: horovodrun(2, "gloo", a)}
-    check(run(launch[first](COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
+    if first == "torch":
+        shutil.copytree(request.getfixturevalue("torch_first_40_steps"), tmp_path, dirs_exist_ok=True)
+    else:
+        check(run(launch[first](COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
     assert torch.load(tmp_path / "last.pt", weights_only=True)["backend"] == first
     result = check(run(launch[second](COMMON + ["--output-dir", str(tmp_path)]), timeout=240))
     assert f"written by {first} with 2 processes" in result.stdout
@@ -142,8 +154,8 @@ def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference):
     assert max_abs_diff(final["model"], torch_reference) < REORDERING
 
 
-def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, torch_reference):
-    check(run(torchrun(2, COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
+def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, torch_reference, torch_first_40_steps):
+    shutil.copytree(torch_first_40_steps, tmp_path, dirs_exist_ok=True)
     # One process with twice the batch covers the same global batches from sample 2,560 on.
     args = [a if a != "32" else "64" for a in COMMON]
     result = check(run(plain(args + ["--output-dir", str(tmp_path)]), timeout=240))

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import PYTHON, TORCHRUN, Job, run, torchrun
+import pytest
+from conftest import PYTHON, TORCHRUN, Job, launcher_env, run, torchrun
 
 from trainbridge.data.designsafe_sample import make_sample
+from trainbridge.launch.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WAITS = str(ROOT / "tests" / "api_scripts" / "waits.py")
@@ -87,11 +89,30 @@ def test_a_rank_a_step_short_reads_as_a_mismatch(tmp_path):
         assert expected[rank] in line and "probably died" not in line, line
 
 
+def waits_without_a_launcher(mode: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """waits.py's two ranks started by the env:// variables alone: no launcher ends one rank when the
+    other exits, so each rank's own wait ends in its own line. Their outputs and the first failure's exit."""
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([PYTHON, WAITS, mode, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True,
+                              env=launcher_env({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+             for rank in range(2)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"waits.py {mode}: a rank still running after {timeout}s (a hang)")
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return subprocess.CompletedProcess(mode, code, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+
+
 def test_a_stop_agreement_on_one_rank_only_reads_as_a_mismatch(tmp_path):
     # Rank 0 calls job.should_stop, rank 1 never does and goes on to its second forward, where DDP
     # takes rank 0's bucket order. Before: rank 1's line named no call (DDP's forward was not a
-    # named wait), so it could not be told from a rank that had died.
-    result = waits("stop_one_rank", tmp_path)
+    # named wait), so it could not be told from a rank that had died. Under torchrun, rank 0's
+    # timeout could end first, and torchrun then stopped rank 1 before its own line (CI, once).
+    result = waits_without_a_launcher("stop_one_rank", tmp_path)
     assert result.returncode != 0, result.stderr[-3000:]
     lines = error_lines(result)
     assert set(lines) == {0, 1}, result.stderr[-3000:]

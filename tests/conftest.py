@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,6 +135,26 @@ def mpirun(nproc: int, args: List[str]) -> List[str]:
 
 def plain(args: List[str]) -> List[str]:
     return [PYTHON, *TRAIN, *args]
+
+
+def env_ranks(argv: List[str], port: int, extra: Optional[Dict[str, str]] = None, world_size: int = 2
+              ) -> List[subprocess.Popen]:
+    """A job started by the env:// variables alone, with no launcher: ``python argv`` once per rank, the
+    rendezvous on 127.0.0.1:``port``. No launcher ends a rank when another exits."""
+    env = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra or {})}
+    return [subprocess.Popen([PYTHON, *argv], env=launcher_env({**env, "RANK": str(rank)}), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(world_size)]
+
+
+def start_waits(output: str) -> List[int]:
+    """The seconds that the ranks' lines in ``output`` say they waited in the start of the job."""
+    return [int(seconds) for seconds in re.findall(r"waited (\d+)s in start of the job", output)]
+
+
+def copy_of(run_dir: Path, folder: Path) -> Path:
+    """``run_dir``'s files copied into ``folder`` (made if missing), as if that run had written them there."""
+    shutil.copytree(run_dir, folder, dirs_exist_ok=True)
+    return folder
 
 
 def load_final(output_dir: Path) -> dict:

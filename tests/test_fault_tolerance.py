@@ -6,7 +6,6 @@ backend and world size), or within REORDERING across backends and world sizes.
 """
 import os
 import re
-import shutil
 import signal
 import time
 
@@ -20,6 +19,7 @@ from conftest import (
     Job,
     bitwise_equal,
     check,
+    copy_of,
     horovodrun,
     load_final,
     max_abs_diff,
@@ -143,7 +143,7 @@ def torch_first_40_steps(tmp_path_factory):
 def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference, request):
     launch = {"torch": lambda a: torchrun(2, a), "horovod": lambda a: horovodrun(2, "gloo", a)}
     if first == "torch":
-        shutil.copytree(request.getfixturevalue("torch_first_40_steps"), tmp_path, dirs_exist_ok=True)
+        copy_of(request.getfixturevalue("torch_first_40_steps"), tmp_path)
     else:
         check(run(launch[first](COMMON + ["--max-steps", "40", "--output-dir", str(tmp_path)]), timeout=240))
     assert torch.load(tmp_path / "last.pt", weights_only=True)["backend"] == first
@@ -155,7 +155,7 @@ def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference, re
 
 
 def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, torch_reference, torch_first_40_steps):
-    shutil.copytree(torch_first_40_steps, tmp_path, dirs_exist_ok=True)
+    copy_of(torch_first_40_steps, tmp_path)
     # One process with twice the batch covers the same global batches from sample 2,560 on.
     args = [a if a != "32" else "64" for a in COMMON]
     result = check(run(plain(args + ["--output-dir", str(tmp_path)]), timeout=240))

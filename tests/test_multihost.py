@@ -35,6 +35,7 @@ from conftest import (
     max_abs_diff,
     read_metrics,
     run,
+    start_waits,
 )
 from multihost.hosts import IFACE, Host, TwoHosts, kill_pids, missing_requirements, remove_leftovers, run_on
 from multihost.jobs import HostProcess, wait_all
@@ -350,7 +351,7 @@ def test_a_failed_gloo_connection_ends_every_rank_within_the_timeout(hosts, tmp_
     for proc, seconds in zip(procs, took):
         assert proc.proc.returncode != 0, proc.describe()
         assert "trainbridge: error:" in proc.output(), proc.describe()
-        waits += [int(w) for w in re.findall(r"waited (\d+)s in start of the job", proc.output())]
+        waits += start_waits(proc.output())
         # On top of the join's bound come torchrun's own start-up and the imports: 19.5 s on a slow
         # 2-core CI machine running three test workers. A hang (as once in connectFullMesh) is wait_all's.
         assert seconds < START_TIMEOUT + 5 + 45, f"{proc.host.name} ended after {seconds:.1f}s\n{proc.describe()}"
@@ -373,7 +374,7 @@ def test_an_exported_master_addr_is_honoured_under_mpirun(hosts, rsh_agent, tmp_
     assert "10.77.0.99:29651" in result.stderr, result.stderr[-3000:]
     # As above: the ranks' own waits end at the join's bound; on top of it come mpirun's start of
     # both hosts and the imports (22 s on a slow 2-core CI machine running three test workers).
-    waits = [int(w) for w in re.findall(r"waited (\d+)s in start of the job", result.stderr)]
+    waits = start_waits(result.stderr)
     assert waits and max(waits) <= START_TIMEOUT + 5 + 1, (waits, result.stderr[-3000:])
     assert took < START_TIMEOUT + 5 + 45, result.stderr[-3000:]
 

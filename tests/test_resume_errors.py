@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PLAIN_SGD, SAMPLE, check, load_final, plain, read_metrics, run
+from conftest import PLAIN_SGD, SAMPLE, check, copy_of, load_final, plain, read_metrics, run
 from test_bad_input import assert_one_clear_line
 
 QUICK = [*SAMPLE, *PLAIN_SGD, "--epochs", "2"]
@@ -19,12 +19,6 @@ def one_epoch(tmp_path_factory):
     out = tmp_path_factory.mktemp("one_epoch")
     check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(out)]), timeout=120))
     return out
-
-
-def copy_of(run_dir, folder):
-    """``run_dir``'s files copied into ``folder`` (made if missing), as if that run had written them there."""
-    shutil.copytree(run_dir, folder, dirs_exist_ok=True)
-    return folder
 
 
 def truncate(path):

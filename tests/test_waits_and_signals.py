@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PYTHON, TORCHRUN, Job, launcher_env, run, torchrun
+from conftest import PYTHON, TORCHRUN, Job, env_ranks, run, torchrun
 
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.launch.rendezvous import free_port
@@ -92,11 +92,7 @@ def test_a_rank_a_step_short_reads_as_a_mismatch(tmp_path):
 def waits_without_a_launcher(mode: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """waits.py's two ranks started by the env:// variables alone: no launcher ends one rank when the
     other exits, so each rank's own wait ends in its own line. Their outputs and the first failure's exit."""
-    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([PYTHON, WAITS, mode, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True,
-                              env=launcher_env({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-             for rank in range(2)]
+    procs = env_ranks([WAITS, mode, str(tmp_path)], free_port(), {"LOCAL_WORLD_SIZE": "2"})  # one host, as torchrun
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:

@@ -240,8 +240,13 @@ COSTLIEST_FIRST = [
     "tests/test_resume_randomness.py",
     "tests/test_api.py",
     "tests/test_hvd_api.py",
+    "tests/test_waits_and_signals.py",
     "tests/test_real_programs.py",
+    "tests/test_shm_allreduce.py",
+    "tests/test_loaders.py",
     "tests/test_parity.py",
+    "tests/test_misuse.py",
+    "tests/test_training.py",
 ]
 
 

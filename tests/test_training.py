@@ -1,5 +1,6 @@
 """End-to-end runs: exact evaluation on uneven shards, outputs contract, the main job's accuracy."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import check, load_final, plain, read_metrics, run, torchrun
@@ -42,6 +43,7 @@ def test_outputs_contract(tmp_path):
     assert rows[0]["step"] == 62 and rows[0]["samples"] == 62 * 64 and rows[-1]["samples"] == 70 * 64
 
 
+@pytest.mark.e2e  # a whole product run of minutes: 10 epochs on 2 processes
 def test_main_job_reaches_95_percent_on_two_processes(tmp_path):
     # The README's main job (make run): 2 processes on the embedded 1,000 held-out images.
     check(run(torchrun(2, ["--dataset", "mnist-sample", "--model", "convnet-dropout", "--epochs", "10",

@@ -50,6 +50,9 @@ def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
                 or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]:
         del env[key]  # a test must not inherit the launcher of whoever ran pytest
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                # The suite runs three workers' launches on 2 cores: an OpenMP thread that spins while it
+                # waits for work (libgomp's default) takes a core another process needs. It changes no result.
+                "OMP_WAIT_POLICY": "PASSIVE",
                 # Open MPI's shared-memory single-copy needs ptrace rights containers lack.
                 "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
     env.update(extra or {})

@@ -62,9 +62,11 @@ def results_by_rank(output: str) -> Dict[int, Dict[str, str]]:
 
 
 def check_suite(result, size: int, not_applicable=frozenset(), real_horovod: bool = False) -> None:
-    # A failed check's own line first: check's output tail may hold only the later passes.
+    # A failed check's own line first: check's output tail may hold only the later passes. Then the
+    # tails: a hang's stacks (the suite's watchdog) are on stderr.
     failed = [line for line in result.stdout.splitlines() if RESULT.search(line) and " FAIL " in line]
-    assert not failed, "\n".join(failed)
+    assert not failed, "\n".join([*failed, f"exit {result.returncode}; stdout's tail:", result.stdout[-3000:],
+                                   "stderr's tail:", result.stderr[-8000:]])
     check(result)
     # No gloo group outlives trainbridge.hvd's exit handler: a worker thread still giving back a
     # tensor in the interpreter's teardown aborted a rank (SIGABRT) after every check had passed.

@@ -47,8 +47,11 @@ def busy(seconds: float) -> None:
         torch.ones(64, 64) @ torch.ones(64, 64)
 
 
+# Built before the job: a process's first optimizer imports torch._dynamo (seconds on a busy machine), and
+# prepare's broadcast, the job's first collective, waits only 8 s for a rank still importing it (CI, once).
+model, optimizer = nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1)
 job = tb.init(timeout=8)
-model, optimizer = job.prepare(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
+model, optimizer = job.prepare(model, optimizer)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 workers = 2 if MODE.startswith("stuck") else 0
 loader = job.train_loader(Slow(), batch_size=2, num_workers=workers)

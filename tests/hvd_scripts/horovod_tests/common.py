@@ -109,10 +109,24 @@ def sum_of_equal_terms(term, count):
 
 # ----- checks ------------------------------------------------------------------------------------
 def expect_duplicate_name_error(submit_async):
-    """A second operation under the name of one still in flight raises ValueError; then finish the first."""
-    first = submit_async("duplicate_name")
-    expect_error(lambda: [submit_async("duplicate_name") for _ in range(10)], ValueError)
-    hvd.synchronize(first)
+    """A second operation under the name of one still in flight raises ValueError; then finish the first.
+
+    The ranks take turns: a rank submits its operation and the duplicate while the others have not
+    submitted theirs, so the operation cannot finish in between. (An operation finishes once every
+    rank has submitted it: with all ranks at once, a rank descheduled before its duplicate, on a busy
+    machine, saw the first finish and its duplicate start a new operation no other rank matched, and
+    the real Horovod's job hung at the next check.)"""
+    handles = []
+    for turn in range(hvd.size()):
+        name = f"duplicate_name_{turn}"
+        if hvd.rank() == turn:
+            handles.append(submit_async(name))
+            expect_error(lambda name=name: submit_async(name), ValueError)
+        hvd.barrier()  # the other ranks submit theirs only now
+        if hvd.rank() != turn:
+            handles.append(submit_async(name))
+    for handle in handles:
+        hvd.synchronize(handle)
 
 
 # ----- process sets (Horovod's *_process_sets tests; every rank adds the even and the odd set) -----

@@ -140,12 +140,15 @@ def plain(args: List[str]) -> List[str]:
     return [PYTHON, *TRAIN, *args]
 
 
-def env_ranks(argv: List[str], port: int, extra: Optional[Dict[str, str]] = None, world_size: int = 2
-              ) -> List[subprocess.Popen]:
+def env_ranks(argv: List[str], port: int, world_size: int = 2, one_host: bool = False) -> List[subprocess.Popen]:
     """A job started by the env:// variables alone, with no launcher: ``python argv`` once per rank, the
-    rendezvous on 127.0.0.1:``port``. No launcher ends a rank when another exits."""
-    env = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra or {})}
-    return [subprocess.Popen([PYTHON, *argv], env=launcher_env({**env, "RANK": str(rank)}), stdout=subprocess.PIPE,
+    rendezvous on 127.0.0.1:``port``. No launcher ends a rank when another exits. ``one_host``: also
+    LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun sets them on one host (without them, each rank is
+    taken to be alone on its host)."""
+    def rank_env(rank: int) -> Dict[str, str]:
+        env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return {**env, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)} if one_host else env
+    return [subprocess.Popen([PYTHON, *argv], env=launcher_env(rank_env(rank)), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(world_size)]
 
 

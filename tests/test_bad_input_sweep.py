@@ -204,7 +204,8 @@ def test_port_held_by_another_program_does_not_hang(tmp_path):
     errors = [[line for line in err.splitlines() if line.startswith("trainbridge: error:")] for _, err in outputs]
     assert len(errors[0]) == 1 and f"port {port}" in errors[0][0] and "another program holds it" in errors[0][0]
     assert len(errors[1]) == 1 and "MASTER_PORT is not held by another program" in errors[1][0]
-    assert start_waits(errors[1][0]) and max(start_waits(errors[1][0])) <= 5 + 5 + 1, errors[1][0]
+    waited = start_waits(errors[1][0])
+    assert waited and max(waited) <= 5 + 5 + 1, errors[1][0]
     assert not any("Traceback" in err for _, err in outputs)
 
 

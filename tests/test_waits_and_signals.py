@@ -92,7 +92,7 @@ def test_a_rank_a_step_short_reads_as_a_mismatch(tmp_path):
 def waits_without_a_launcher(mode: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """waits.py's two ranks started by the env:// variables alone: no launcher ends one rank when the
     other exits, so each rank's own wait ends in its own line. Their outputs and the first failure's exit."""
-    procs = env_ranks([WAITS, mode, str(tmp_path)], free_port(), {"LOCAL_WORLD_SIZE": "2"})  # one host, as torchrun
+    procs = env_ranks([WAITS, mode, str(tmp_path)], free_port(), one_host=True)
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:

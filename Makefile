@@ -14,8 +14,10 @@ run:
 		--dataset auto --model convnet-dropout --epochs 10 --batch-size 64 --gamma 0.8 --no-progress \
 		--output-dir runs/mnist
 
-# Every test but the whole product runs of minutes (marker e2e), which `make test-e2e` runs; CI
-# (.ci/run) runs both, then `make test-torch-versions`.
+# Every test but the whole product runs of minutes (marker e2e) and the launcher matrix (marker matrix: a
+# guarantee make test checks once per backend, again under the other launchers, on a third rank, across two
+# hosts, on SLURM, against the real Horovod), which `make test-e2e` runs; CI (.ci/run) runs both, then
+# `make test-torch-versions`.
 # Three workers on 2 cores: a launch's time is mostly torch's start-up and waiting on other processes, and the
 # cores sit a third idle with one. A worker takes a whole test file, so a file's shared runs start once; the
 # costliest files first, in the order tests/conftest.py gives (--no-loadscope-reorder keeps it).
@@ -23,14 +25,15 @@ TEST_WORKERS ?= 3
 test: setup
 	$(MAKE) lint
 	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		-m "not e2e" tests
+		-m "not e2e and not matrix" tests
 
 # The bench's smoke runs alone (they time their runs, and under other load their 14 runs outlast their
-# limits); then the docs' pages on TEST_WORKERS workers, test by test (each page is one long shell).
+# limits); then the docs' pages (each a unit of its own), the other e2e runs and the launcher matrix on
+# TEST_WORKERS workers, file by file as in make test.
 test-e2e: setup
 	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests/test_bench.py; bench=$$?; \
-	$(VENV)/bin/python -m pytest -v --durations=10 -n $(TEST_WORKERS) --dist load -m e2e --ignore tests/test_bench.py \
-		tests && exit $$bench
+	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "e2e or matrix" --ignore tests/test_bench.py tests && exit $$bench
 
 # The fast inner loop: the in-process tests only (tests/unit, one file per source module, and the
 # older files that start no launcher), about 80 s on 2 busy cores. It skips the set-up (scripts/setup.sh

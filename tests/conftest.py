@@ -234,31 +234,67 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ----- make test's parallel workers (pytest-xdist --dist loadfile --no-loadscope-reorder) -------------------
+# ----- the launcher matrix (marker matrix) ------------------------------------------------------------------
+# make test checks each guarantee once per backend: under torchrun (the torch backend) and, where the
+# Horovod backend's own code is on the path, under horovodrun --gloo. The same guarantee under the other
+# launchers (horovodrun's MPI controller, mpirun, the --nproc spawner), on a third rank where two ranks already
+# check it, across two hosts, on SLURM and against the real Horovod is the matrix: `make test-e2e` runs it,
+# and CI runs both. Every launcher still starts in make test, in at least one test.
+def in_matrix(names, matrix_names) -> list:
+    """The names as parametrize values; those in matrix_names marked matrix."""
+    unknown = set(matrix_names) - set(names)
+    assert not unknown, f"matrix names that are not cases: {sorted(unknown)}"
+    return [pytest.param(name, marks=pytest.mark.matrix) if name in matrix_names else name for name in names]
+
+
+# ----- the parallel workers of make test and make test-e2e (--dist loadfile --no-loadscope-reorder) ---------
 # A worker takes a whole test file, so that a file's module-scoped runs start once (spread test by test, each
-# worker started them again). The costliest files go first, so that none is left running alone at the end;
-# the in-process tests (tests/unit) come last and fill the cores as the launches end. The order is from
-# pytest --cpu-report on a 2-core machine; a file not listed keeps its place after these.
+# worker started them again) and a file's two-host namespaces are made once. The costliest files go first, so
+# that none is left running alone at the end; the in-process tests (tests/unit) come last and fill the cores as
+# the launches end. The order is from pytest --cpu-report on a 2-core machine; a file not listed keeps its place
+# after these. make test deselects the first two (e2e, matrix); make test-e2e runs them first.
 COSTLIEST_FIRST = [
+    "tests/test_docs_literal.py",
     "tests/test_multihost.py",
     "tests/test_fault_tolerance.py",
     "tests/test_speed_features.py",
+    "tests/test_waits_and_signals.py",
     "tests/test_resume_randomness.py",
     "tests/test_api.py",
-    "tests/test_hvd_api.py",
-    "tests/test_waits_and_signals.py",
-    "tests/test_real_programs.py",
     "tests/test_shm_allreduce.py",
-    "tests/test_loaders.py",
-    "tests/test_parity.py",
+    "tests/test_real_programs.py",
     "tests/test_misuse.py",
+    "tests/test_bad_input_sweep.py",
+    "tests/test_resume_errors.py",
+    "tests/test_designsafe_launchers.py",
+    "tests/test_parity.py",
+    "tests/test_loaders.py",
+    "tests/test_hvd_faults.py",
+    "tests/test_checkpoint_faults.py",
     "tests/test_training.py",
+    "tests/test_hvd_api.py",
 ]
+# A page of the docs is one long shell with nothing shared between pages: each page is a unit of its own, so
+# that the pages run side by side instead of one after another on one worker.
+PAGES_APART = "tests/test_docs_literal.py"
 
 
 def pytest_collection_modifyitems(items) -> None:
     place = {path: n for n, path in enumerate(COSTLIEST_FIRST)}
     items.sort(key=lambda item: place.get(item.nodeid.split("::")[0], len(place)))  # stable: the rest keep order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesWithPagesApart(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # xdist's way to group tests into a worker's units
+            return nodeid if nodeid.startswith(PAGES_APART + "::") else super()._split_scope(nodeid)
+
+    return FilesWithPagesApart(config, log)
 
 
 # ----- where the suite's CPU time goes: pytest --cpu-report N ----------------------------------------------

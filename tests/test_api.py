@@ -24,6 +24,7 @@ from conftest import (
     Job,
     bitwise_equal,
     check,
+    in_matrix,
     load_final,
     max_abs_diff,
     run,
@@ -98,7 +99,7 @@ def float64_reference(tmp_path_factory):
     return final["model"]
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", in_matrix(list(RUNS), {"spawn", "torchrun-3"}))
 def test_own_loop_matches_one_process_under_every_launcher(name, float64_reference, tmp_path):
     result = check(run(RUNS[name](F64 + ["--output-dir", str(tmp_path)]), timeout=240))
     assert "done: wrote" in result.stdout
@@ -229,7 +230,7 @@ def test_nccl_without_cuda_is_one_line(launcher):
         assert result.returncode == 2
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "spawn"])
+@pytest.mark.parametrize("launcher", in_matrix(["torchrun", "mpirun", "spawn"], {"spawn"}))
 def test_global_batch_not_divisible_by_the_ranks_is_one_line(launcher, tmp_path):
     # Raised by the user's own code after tb.init(), on every rank: still one line in all.
     args = ["--global-batch", "61", "--output-dir", str(tmp_path)]

@@ -66,6 +66,7 @@ def horovodrun_elastic(tmp_path, args):
             "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2", PYTHON, *TRAIN, *args]
 
 
+@pytest.mark.matrix  # the crash after the pass; make test runs the harder crash in the pass, below
 def test_horovod_elastic_recovers_from_a_crash_bitwise_identical(tmp_path, horovod_reference):
     out = tmp_path / "out"
     args = COMMON + ["--checkpoint-every", "10", "--fail-at-step", "87", "--output-dir", str(out)]
@@ -139,7 +140,8 @@ def torch_first_40_steps(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("first,second", [("torch", "horovod"), ("horovod", "torch")])
+@pytest.mark.parametrize("first,second", [("torch", "horovod"),
+                                          pytest.param("horovod", "torch", marks=pytest.mark.matrix)])
 def test_checkpoints_cross_backends(first, second, tmp_path, torch_reference, request):
     launch = {"torch": lambda a: torchrun(2, a), "horovod": lambda a: horovodrun(2, "gloo", a)}
     if first == "torch":

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Dict
 
+import pytest
 import torch
 from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
 
@@ -93,18 +94,21 @@ def test_suite_under_torchrun_2_processes():
     check_suite(result, size=2)
 
 
+@pytest.mark.matrix  # a third rank
 def test_suite_under_torchrun_3_processes_with_a_process_set_of_2():
     result = run([TORCHRUN, "--standalone", "--nproc-per-node=3", str(SUITE)], timeout=TIMEOUT,
                  env={**WATCHDOG, "EXPECT_REAL_HOROVOD": "0"})
     check_suite(result, size=3)
 
 
+@pytest.mark.matrix  # against the real Horovod
 def test_suite_under_horovodrun_2_processes_is_the_real_horovod():
     result = run([HOROVODRUN, "-np", "2", "--gloo", PYTHON, str(SUITE)], timeout=TIMEOUT,
                  env={**WATCHDOG, "EXPECT_REAL_HOROVOD": "1"})
     check_suite(result, size=2, not_applicable=REAL_HOROVOD_NA, real_horovod=True)
 
 
+@pytest.mark.matrix  # a further launcher of the torch backend
 def test_suite_under_mpirun_uses_the_torch_backend():
     result = run([MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, str(SUITE)], timeout=TIMEOUT,
                  env={**WATCHDOG, "EXPECT_REAL_HOROVOD": "0"})
@@ -123,6 +127,7 @@ def test_horovodrun_mpi_mode_delegates_to_horovod():
         result.stdout
 
 
+@pytest.mark.matrix  # against the real Horovod
 def test_sparse_embedding_training_matches_the_real_horovod(tmp_path):
     """nn.Embedding(sparse=True) through DistributedOptimizer: trainbridge.hvd under torchrun gives the
     weights the real Horovod gives under horovodrun (sparse allgather, and sparse_as_dense)."""

@@ -7,6 +7,7 @@ It runs as-is under torchrun (our torch backend). Under horovodrun the test runs
 import re
 from pathlib import Path
 
+import pytest
 from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, run
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "horovod_mnist.py"
@@ -21,6 +22,7 @@ def final_metrics(output: str):
     return float(loss), float(accuracy)
 
 
+@pytest.mark.matrix  # against the real Horovod
 def test_horovod_mnist_example_same_accuracy_under_torchrun_and_horovodrun(tmp_path):
     source = EXAMPLE.read_text()
     migrated_line = "\nimport trainbridge.hvd as hvd\n"

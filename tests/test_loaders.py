@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, run
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, check, in_matrix, run
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -402,7 +402,9 @@ def test_one_process_trains_whole_global_batches_and_moves_the_weights(one_proce
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name", list(LAUNCHES))
+# The loaders take only the rank and world size from the backend: 3 ranks under torchrun (sizes that do not
+# divide) in make test; 2 ranks and Horovod's 3 are the launcher matrix (make test-e2e).
+@pytest.mark.parametrize("name", in_matrix(list(LAUNCHES), {"torchrun-2", "horovodrun-3-gloo"}))
 def test_every_world_size_trains_the_samples_and_weights_of_one_process(name, one_process, tmp_path):
     world_size, command = LAUNCHES[name]
     check(run(command(str(tmp_path)), timeout=180))
@@ -438,6 +440,7 @@ GLOO_THREADS = str(Path(__file__).resolve().parent / "api_scripts" / "gloo_threa
 
 @pytest.mark.skipif(not GLOO_THREAD_STATES_KEPT, reason=f"Python {sys.version.split()[0]} resets its thread-list lock "
                     "in a forked child first (CPython gh-112275 fixed): no thread needs a state of its own")
+@pytest.mark.launch
 @pytest.mark.parametrize("api", ["torchrun-tb", "torchrun-hvd", "horovodrun-job"])
 def test_collective_threads_make_no_thread_state_that_a_forked_loader_worker_could_inherit_locked(api):
     # CI once had an evaluation loader's worker stuck for good inside os.fork: a gloo thread was making

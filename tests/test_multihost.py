@@ -43,6 +43,10 @@ from multihost.openmpi import mpirun_flags, write_rsh_agent
 from multihost.slurm import SlurmCluster, job_state, missing_daemons, submit, wait_job
 from multihost.sshd import SSHD, SshdPerHost
 
+# Two hosts and SLURM are the launcher matrix (conftest.in_matrix): make test-e2e runs this file, and make test
+# its in-process parts (tests/test_multihost_units.py).
+pytestmark = pytest.mark.matrix
+
 ROOT = Path(__file__).resolve().parent.parent
 OWN_LOOP = str(ROOT / "examples" / "own_loop.py")
 K, B = PARITY_STEPS, PARITY_BATCH

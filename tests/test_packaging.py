@@ -6,6 +6,7 @@ import re
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import PYTHON, check, run
 from setuptools.config.setupcfg import read_configuration
@@ -42,6 +43,7 @@ def installed(python: Path) -> dict:
     return {entry["name"].lower(): entry["version"] for entry in json.loads(result.stdout)}
 
 
+@pytest.mark.e2e  # a whole product install: a fresh venv, torch copied in, the wheel built and installed
 def test_the_wheel_installs_beside_the_users_torch_and_keeps_it(tmp_path: Path):
     """A user's environment with its own torch: a fresh venv with the development pin. ``pip install`` of
     trainbridge's wheel adds only the core's numpy and psutil, leaves that torch alone, and the core runs."""

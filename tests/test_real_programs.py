@@ -33,6 +33,9 @@ LAUNCHERS = {
     "mpirun-torch": (lambda a: [MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, SCRIPT, *a, "--backend", "torch"], 2,
                      "torch"),
 }
+# make test runs the programs under torchrun-2 and horovodrun-gloo, one launch per backend; the rest is the
+# launcher matrix (conftest.in_matrix), which make test-e2e runs.
+MATRIX = {"torchrun-3", "horovodrun-mpi", "mpirun", "mpirun-torch"}
 
 
 def load(out: Path, program: str) -> dict:
@@ -96,8 +99,9 @@ def check_branch(saved, ref):
 CHECKS = {"lm": check_lm, "gan": check_gan, "hf": check_hf, "branch": check_branch}
 
 
-@pytest.mark.parametrize("launcher,program", [(name, program) for name in LAUNCHERS for program in PROGRAMS],
-                         ids=[f"{name}-{program}" for name in LAUNCHERS for program in PROGRAMS])
+@pytest.mark.parametrize("launcher,program", [
+    pytest.param(name, program, id=f"{name}-{program}", marks=[pytest.mark.matrix] if name in MATRIX else [])
+    for name in LAUNCHERS for program in PROGRAMS])
 def test_program_matches_one_process(launcher, program, reference, launched):
     out, _ = launched(launcher)
     saved, ref = load(out, program), reference[program]

@@ -86,6 +86,7 @@ def test_two_ranks_train_the_same_bits_as_gloo(tmp_path):
     assert bitwise_equal(finals["on"], finals["off"])
 
 
+@pytest.mark.matrix  # a third rank: the probes above check 3 ranks' averages, this test 2 ranks' training
 def test_three_ranks_match_one_process_with_three_times_the_batch(tmp_path):
     check(run(plain(COMMON + ["--batch-size", "48", "--backend", "local", "--output-dir", str(tmp_path / "one")]),
               timeout=120))

@@ -15,6 +15,7 @@ import argparse
 import collections
 import enum
 import os
+import sys
 
 import numpy as np
 import torch
@@ -52,8 +53,10 @@ def typed(state):
 
 @hvd.elastic.run
 def train(state):
-    print(f"START attempt={ATTEMPT} rank={hvd.rank()} epoch={state.epoch} weight={state.model.weight.item():g} "
-          f"values={typed(state)}", flush=True)
+    # One write per line: both ranks print this at once, and print() writes the text and its newline apart.
+    sys.stdout.write(f"START attempt={ATTEMPT} rank={hvd.rank()} epoch={state.epoch} "
+                     f"weight={state.model.weight.item():g} values={typed(state)}\n")
+    sys.stdout.flush()
     if args.foreign_commit and ATTEMPT == 0 and hvd.rank() == 0:
         # Another job with the same run id and commit file, writing while this one runs.
         foreign = {"handlers": {"model": {"weight": torch.full((1, 1), 42.0)}}, "objects": {"epoch": 42}}
@@ -84,5 +87,6 @@ typed_values = dict(mean_loss=np.float64(0.0), best=Best(0, np.float32(1.0)), se
                     phase=Phase.WARMUP) if args.typed_values else {}
 state = hvd.elastic.TorchState(model, epoch=0, **typed_values)
 train(state)
-print(f"DONE rank={hvd.rank()} epoch={state.epoch} weight={model.weight.item():g} values={typed(state)}", flush=True)
+sys.stdout.write(f"DONE rank={hvd.rank()} epoch={state.epoch} weight={model.weight.item():g} values={typed(state)}\n")
+sys.stdout.flush()
 hvd.shutdown()

@@ -125,12 +125,12 @@ class Watchdog:
     def _check(self) -> None:
         what, (whom, causes), waited = self.what, self.waited_for, time.monotonic() - self.since
         if what is not None and waited > self.limit:
-            print(
+            # One write, as report_error's: the other ranks' watchdogs may be writing theirs at this moment.
+            sys.stderr.write(
                 f"trainbridge: error: rank {self.rank}: waited {waited:.0f}s in {what} for {whom} "
-                f"(timeout {self.timeout:g}s): {causes}",
-                file=sys.stderr,
-                flush=True,
+                f"(timeout {self.timeout:g}s): {causes}\n"
             )
+            sys.stderr.flush()
             if self.waited_for is FOR_WORKERS:
                 print(describe_workers(), file=sys.stderr, flush=True)
             kill_workers()  # a stuck DataLoader worker would keep the launcher's output open

@@ -27,7 +27,10 @@ DETECTORS = (torchelastic, horovodrun, mpi, slurm, env_vars)
 def report_error(message: str) -> None:
     """Print ``trainbridge: error: message`` as one line, and hand it to the launcher if it collects errors."""
     line = f"trainbridge: error: {message}"
-    print(line, file=sys.stderr, flush=True)
+    # One write: under PYTHONUNBUFFERED, print() writes the text and its newline apart, and another rank's
+    # line, on the same stream, can land between them.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     torchelastic.record_error(line)
 
 

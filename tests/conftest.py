@@ -239,7 +239,7 @@ def bitwise_equal(a: dict, b: dict) -> bool:
 # Horovod backend's own code is on the path, under horovodrun --gloo. The same guarantee under the other
 # launchers (horovodrun's MPI controller, mpirun, the --nproc spawner), on a third rank where two ranks already
 # check it, across two hosts, on SLURM and against the real Horovod is the matrix: `make test-e2e` runs it,
-# and CI runs both. Every launcher still starts in make test, in at least one test.
+# and CI runs both. Every launcher but SLURM's srun still starts in make test, in at least one test.
 def in_matrix(names, matrix_names) -> list:
     """The names as parametrize values; those in matrix_names marked matrix."""
     unknown = set(matrix_names) - set(names)

@@ -61,6 +61,10 @@ def train(state):
         # Another job with the same run id and commit file, writing while this one runs.
         foreign = {"handlers": {"model": {"weight": torch.full((1, 1), 42.0)}}, "objects": {"epoch": 42}}
         commit_file.save(foreign, commit_file.commit_path(), job="none@another-torchrun")
+    if args.foreign_commit and ATTEMPT == 0:
+        # Rank 1 fails only once the foreign file is there: failing first, it had torchrun stop rank 0
+        # before the write, and the restart found no file to ignore (CI, once).
+        hvd.barrier()
     while state.epoch < args.epochs:
         if ATTEMPT == 0 and hvd.rank() == 1 and state.epoch == args.fail_at_epoch:
             print(f"FAIL rank=1 epoch={state.epoch}", flush=True)

@@ -27,13 +27,15 @@ test: setup
 	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "not e2e and not matrix" tests
 
-# The bench's smoke runs alone (they time their runs, and under other load their 14 runs outlast their
-# limits); then the docs' pages (each a unit of its own), the other e2e runs and the launcher matrix on
-# TEST_WORKERS workers, file by file as in make test.
+# Alone first, one test at a time: the bench's smoke runs (they time their runs, and under other load their 14
+# runs outlast their limits) and the docs' pages (each a shell of several 2-rank trainings: three side by side
+# with the matrix took 2.5-3x their time alone, and the DesignSafe page once ran past its limit). Then the other
+# e2e runs and the launcher matrix on TEST_WORKERS workers, file by file as in make test.
+ALONE_E2E = tests/test_bench.py tests/test_docs_literal.py
 test-e2e: setup
-	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e tests/test_bench.py; bench=$$?; \
+	$(VENV)/bin/python -m pytest -v --durations=10 -m e2e $(ALONE_E2E); alone=$$?; \
 	$(VENV)/bin/python -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		-m "e2e or matrix" --ignore tests/test_bench.py tests && exit $$bench
+		-m "e2e or matrix" $(addprefix --ignore ,$(ALONE_E2E)) tests && exit $$alone
 
 # The fast inner loop: the in-process tests only (tests/unit, one file per source module, and the
 # older files that start no launcher), about 80 s on 2 busy cores. It skips the set-up (scripts/setup.sh

@@ -252,9 +252,8 @@ def in_matrix(names, matrix_names) -> list:
 # worker started them again) and a file's two-host namespaces are made once. The costliest files go first, so
 # that none is left running alone at the end; the in-process tests (tests/unit) come last and fill the cores as
 # the launches end. The order is from pytest --cpu-report on a 2-core machine; a file not listed keeps its place
-# after these. make test deselects the first two (e2e, matrix); make test-e2e runs them first.
+# after these. make test deselects the first (the matrix); make test-e2e runs it first.
 COSTLIEST_FIRST = [
-    "tests/test_docs_literal.py",
     "tests/test_multihost.py",
     "tests/test_fault_tolerance.py",
     "tests/test_speed_features.py",
@@ -274,27 +273,11 @@ COSTLIEST_FIRST = [
     "tests/test_training.py",
     "tests/test_hvd_api.py",
 ]
-# A page of the docs is one long shell with nothing shared between pages: each page is a unit of its own, so
-# that the pages run side by side instead of one after another on one worker.
-PAGES_APART = "tests/test_docs_literal.py"
 
 
 def pytest_collection_modifyitems(items) -> None:
     place = {path: n for n, path in enumerate(COSTLIEST_FIRST)}
     items.sort(key=lambda item: place.get(item.nodeid.split("::")[0], len(place)))  # stable: the rest keep order
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class FilesWithPagesApart(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:  # xdist's way to group tests into a worker's units
-            return nodeid if nodeid.startswith(PAGES_APART + "::") else super()._split_scope(nodeid)
-
-    return FilesWithPagesApart(config, log)
 
 
 # ----- where the suite's CPU time goes: pytest --cpu-report N ----------------------------------------------

@@ -78,7 +78,8 @@ def initial_weights():
 F64 = ["--float64", "--global-batch", "60"]
 
 # horovodrun --mpi, and mpirun with Horovod (auto) and with --backend torch: tests/test_real_programs.py
-# launches four programs on this API under each, with the same and stronger checks.
+# launches four programs on this API under each, with the same and stronger checks (1e-9). It is also make
+# test's check of this guarantee under torchrun and horovodrun --gloo: here those launches are the matrix.
 RUNS = {
     "torchrun": lambda a: torchrun(2, OWN_LOOP, a),
     "horovodrun-gloo": lambda a: horovodrun(2, "gloo", OWN_LOOP, a),
@@ -99,7 +100,7 @@ def float64_reference(tmp_path_factory):
     return final["model"]
 
 
-@pytest.mark.parametrize("name", in_matrix(list(RUNS), {"spawn", "torchrun-3"}))
+@pytest.mark.parametrize("name", in_matrix(list(RUNS), {"torchrun", "horovodrun-gloo", "spawn", "torchrun-3"}))
 def test_own_loop_matches_one_process_under_every_launcher(name, float64_reference, tmp_path):
     result = check(run(RUNS[name](F64 + ["--output-dir", str(tmp_path)]), timeout=240))
     assert "done: wrote" in result.stdout

@@ -134,7 +134,7 @@ def main():
         for p in procs:
             p.kill()
             p.join()
-        print(json.dumps({"results": out, "exitcodes": [p.exitcode for p in procs]}))
+        print(json.dumps({"results": out, "exitcodes": [p.exitcode for p in procs], "pids": [p.pid for p in procs]}))
 
 if __name__ == "__main__":
     main()

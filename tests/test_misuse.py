@@ -50,13 +50,33 @@ ONE_PROCESS = {
 }
 
 
+def said_in_turn(result, mode: str, pattern: str) -> None:
+    """``mode``'s message in the output of misuse.py's ``each`` job: one line, matching ``pattern``."""
+    said = [line for line in result.stdout.splitlines() if line.startswith(f"{mode}: ")]
+    assert len(said) == 1 and re.search(pattern, said[0]), (mode, result.stdout[-3000:])
+
+
+@pytest.fixture(scope="module")
+def one_process_in_turn(tmp_path_factory):
+    """One plain-python job meets each one-process mistake in turn, in a folder of its own: (folder, result)."""
+    out = tmp_path_factory.mktemp("misuse_in_turn")
+    return out, check(run([PYTHON, SCRIPT, "each", str(out), *ONE_PROCESS], timeout=120))
+
+
 @pytest.mark.parametrize("mode", list(ONE_PROCESS))
-def test_misuse_in_one_process_is_one_line(mode, tmp_path):
-    result = run([PYTHON, SCRIPT, mode, str(tmp_path)], timeout=60)
-    assert_one_line(result, ONE_PROCESS[mode])
-    assert result.returncode == 2
+def test_misuse_in_one_process_is_one_line(mode, one_process_in_turn):
+    # Each mistake raises tb.UserError with its message (anything else would end the job with a traceback);
+    # the next test follows one of them out of the script, through tb.init's one line and exit status 2.
+    out, result = one_process_in_turn
+    said_in_turn(result, mode, ONE_PROCESS[mode])
     if mode.startswith("save-"):  # nothing written, nothing left behind
-        assert list(tmp_path.iterdir()) == []
+        assert list((out / mode).iterdir()) == []
+
+
+def test_a_mistake_left_uncaught_ends_the_process_in_one_line_with_status_2(tmp_path):
+    result = run([PYTHON, SCRIPT, "save-numpy", str(tmp_path)], timeout=60)
+    assert_one_line(result, ONE_PROCESS["save-numpy"])
+    assert result.returncode == 2 and list(tmp_path.iterdir()) == []
 
 
 RANK_DIVERGENT = {
@@ -80,11 +100,10 @@ def test_rank_divergent_inputs_name_the_ranks_and_values(tmp_path):
     # each is the same UserError on every rank, which the script catches and rank 0 prints, so the
     # ranks go on together to the next; the next test follows one of them to the job's end.
     started = time.monotonic()
-    result = check(run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "rank-divergent", str(tmp_path),
+    result = check(run([TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "each", str(tmp_path),
                         *RANK_DIVERGENT], timeout=180))
     for mode, pattern in RANK_DIVERGENT.items():
-        said = [line for line in result.stdout.splitlines() if line.startswith(f"{mode}: ")]
-        assert len(said) == 1 and re.search(pattern, said[0]), (mode, result.stdout[-3000:])
+        said_in_turn(result, mode, pattern)
     # Said at once, not by the watchdog after the script's 60 s timeout, and not as a dead rank.
     assert time.monotonic() - started < 60
     assert "another rank" not in result.stdout + result.stderr

@@ -1,13 +1,14 @@
 """Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
 
 Rank-divergent inputs (run under a launcher with 2 ranks):
-    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape;
-    "rank-divergent MODE...": those modes one after the other in one job, each error caught and printed
-    by rank 0 as "MODE: <its message>" (the job goes on to the next), "MODE: no error" if none came
+    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape
 Misuse in one process:
     init-twice, prepare-twice, save-not-a-dict, save-rng-key, save-numpy, save-namespace,
     save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model
-Prints "no error" if the mistake went through.
+"MODE OUT": that mistake, left to end the job (tb.init's one line); prints "no error" if it went through.
+"each OUT MODE...": those modes one after the other in one job, each in a folder OUT/MODE of its own; each
+    UserError is caught and printed by rank 0 as "MODE: <its message>" (the job goes on to the next),
+    "MODE: no error" if none came. Anything else is a bug and ends the job with its traceback.
 """
 import argparse
 import collections
@@ -24,13 +25,15 @@ import trainbridge as tb
 
 def main(mode: str, out: str, *modes: str) -> None:
     job = tb.init(timeout=60)
-    if mode != "rank-divergent":
+    if mode != "each":
         misuse(job, mode, out)
         job.print("no error")
         job.exit(0)
     for each in modes:
+        folder = os.path.join(out, each)
+        os.makedirs(folder, exist_ok=True)  # by every rank
         try:
-            misuse(job, each, out)
+            misuse(job, each, folder)
         except tb.UserError as error:  # raised on every rank: the check compared every rank's value
             job.print(f"{each}: {error}")
         else:

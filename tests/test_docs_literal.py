@@ -46,7 +46,7 @@ EXPECTED_ERRORS = {
         r"^trainbridge: error: rank 0: a collective failed \(.*\); another rank died, stalled or called a "
         r"different operation .*\n", re.MULTILINE),
 }
-# A page alone took 20-250 s on a slow 2-core machine; make test-e2e runs them one at a time.
+# A page alone took 13-205 s on a slow 2-core machine (CI, 2026-11-27); make test-e2e runs them one at a time.
 PAGE_LIMIT = 900
 pytestmark = pytest.mark.e2e
 

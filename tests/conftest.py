@@ -7,19 +7,27 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import psutil
-import pytest
-import torch
+# The launches' settings (launcher_env), for the runs in this process too (train_here), before torch loads
+# its OpenMP runtime, which reads them once: a waiting OpenMP thread sleeps instead of spinning on a core
+# that another worker's launch needs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PYTHON = sys.executable
@@ -44,11 +52,16 @@ SHORT_SGD = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dat
              "--no-progress", "--max-steps", "8", "--batch-size", "32"]
 
 
+def inherited_launcher_variables(env: Dict[str, str]) -> List[str]:
+    """The variables of ``env`` that announce a launcher: a test must not inherit the one of whoever ran pytest."""
+    return [k for k in env if k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
+            or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]
+
+
 def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
-    for key in [k for k in env if k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
-                or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]:
-        del env[key]  # a test must not inherit the launcher of whoever ran pytest
+    for key in inherited_launcher_variables(env):
+        del env[key]
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                 # The suite runs three workers' launches on 2 cores: an OpenMP thread that spins while it
                 # waits for work (libgomp's default) takes a core another process needs. It changes no result.
@@ -138,6 +151,58 @@ def mpirun(nproc: int, args: List[str]) -> List[str]:
 
 def plain(args: List[str]) -> List[str]:
     return [PYTHON, *TRAIN, *args]
+
+
+def train_here(args: List[str]) -> subprocess.CompletedProcess:
+    """``python -m trainbridge.train ARGS`` (one process, no launcher) run in this test process, through
+    the same ``main`` and ``tb.init``, with its exit status and its output as :func:`run` gives them.
+
+    For the checks of what one process trains, resumes or refuses, where the process itself is not the
+    point: a launched ``python`` spends about 6 CPU-s on importing torch and torch._dynamo before its first
+    step, which this process has already paid. What the run changes in this process is put back as its
+    end would: the exception hook, the SIGTERM handler, the thread count, the random generators, the environment,
+    and the output folder's lock (held until a process ends, so that a later launch there finds it free).
+    A process's own end (``exit_process``, a signal, a bug's traceback) is what :func:`plain` runs check.
+    """
+    from trainbridge.cli.train import main as train_main
+    from trainbridge.training import checkpoint
+
+    hook, sigterm, threads = sys.excepthook, signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    rngs = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    locks = set(checkpoint._held)
+    streams, fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+    environ = dict(os.environ)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            for key in inherited_launcher_variables(environ):
+                del os.environ[key]
+            for stream in streams:
+                stream.flush()
+            os.dup2(out.fileno(), 1)  # C-level writes too (torch's and gloo's warnings)
+            os.dup2(err.fileno(), 2)
+            sys.stdout, sys.stderr = out, err
+            code = train_main(list(args))
+        finally:
+            out.flush()
+            err.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            for fd in fds:
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(environ)
+            sys.excepthook = hook
+            signal.signal(signal.SIGTERM, sigterm)
+            torch.set_num_threads(threads)
+            torch.random.set_rng_state(rngs[0])
+            np.random.set_state(rngs[1])
+            random.setstate(rngs[2])
+            for directory in set(checkpoint._held) - locks:
+                checkpoint._held.pop(directory).close()  # closing the lock file drops its lock, as an exit would
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["train_here", *args], code, out.read(), err.read())
 
 
 def env_ranks(argv: List[str], port: int, world_size: int = 2, one_host: bool = False) -> List[subprocess.Popen]:

@@ -3,13 +3,9 @@ import re
 import subprocess
 
 import pytest
-from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun
-
-from trainbridge.cli.train import main as train_main
+from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun, train_here
 
 QUICK = [*SAMPLE, "--max-steps", "2"]
-
-
 def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> None:
     assert result.returncode != 0, result.stdout + result.stderr
     # horovodrun prefixes each worker line with "[rank]<stderr>:"; that prefix is the launcher's.
@@ -33,8 +29,7 @@ def test_local_backend_under_a_multi_process_launcher_is_refused(tmp_path):
 
 
 def test_nccl_without_cuda(tmp_path):
-    result = run(plain(QUICK + ["--backend", "torch", "--dist-backend", "nccl", "--output-dir", str(tmp_path)]),
-                 timeout=60)
+    result = train_here(QUICK + ["--backend", "torch", "--dist-backend", "nccl", "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"nccl was requested but CUDA is not available.*gloo")
 
 
@@ -49,21 +44,14 @@ def test_horovod_missing(tmp_path):
                                   r"trainbridge build-horovod builds and installs one against this torch")
 
 
-def train_in_process(args, capsys) -> subprocess.CompletedProcess:
-    """trainbridge train's main in this process, for options refused before any job starts: its exit status and
-    stderr, as a launch would give them."""
-    code = train_main(args)
-    return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
-
-
-def test_missing_data_root(tmp_path, capsys):
-    result = train_in_process(QUICK + ["--data-root", str(tmp_path / "nope"), "--output-dir", str(tmp_path)], capsys)
+def test_missing_data_root(tmp_path):
+    result = train_here(QUICK + ["--data-root", str(tmp_path / "nope"), "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"--data-root .*nope does not exist")
 
 
 @pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--epochs", "0"), ("--max-steps", "-1")])
-def test_bad_numbers(flag, value, tmp_path, capsys):
-    result = train_in_process(QUICK + [flag, value, "--output-dir", str(tmp_path)], capsys)
+def test_bad_numbers(flag, value, tmp_path):
+    result = train_here(QUICK + [flag, value, "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, rf"{flag} must be at least 1 \(got {value}\)")
 
 

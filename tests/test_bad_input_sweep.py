@@ -10,7 +10,19 @@ import time
 
 import pytest
 import torch
-from conftest import SAMPLE, TRAIN, check, copy_of, env_ranks, load_final, plain, read_metrics, run, start_waits
+from conftest import (
+    SAMPLE,
+    TRAIN,
+    check,
+    copy_of,
+    env_ranks,
+    load_final,
+    plain,
+    read_metrics,
+    run,
+    start_waits,
+    train_here,
+)
 from test_bad_input import assert_one_clear_line
 
 from trainbridge.cli.data import main as data_main
@@ -119,27 +131,27 @@ def test_env_contract_without_a_launcher_is_one_job(tmp_path):
 def four_steps(tmp_path_factory):
     """The folder of a finished 4-step run: the tests below resume from, or start over in, a copy of it."""
     out = tmp_path_factory.mktemp("four_steps")
-    check(run(plain([*QUICK, "--max-steps", "4", "--output-dir", str(out)]), timeout=120))
+    check(train_here([*QUICK, "--max-steps", "4", "--output-dir", str(out)]))
     return out
 
 
 def test_resume_with_changed_options_names_them(tmp_path, four_steps):
     copy_of(four_steps, tmp_path)
     before = (tmp_path / "last.pt").read_bytes()
-    result = run(plain([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
-                        "--output-dir", str(tmp_path)]), timeout=120)
+    result = train_here([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
+                         "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"--lr 1\.0 -> 0\.5.*global batch .* 128 -> 64"
                                   r".*--allow-option-changes.*--resume never")
     assert (tmp_path / "last.pt").read_bytes() == before
-    result = check(run(plain([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
-                              "--allow-option-changes", "--output-dir", str(tmp_path)]), timeout=120))
+    result = check(train_here([*QUICK, "--max-steps", "8", "--lr", "0.5", "--batch-size", "64",
+                               "--allow-option-changes", "--output-dir", str(tmp_path)]))
     assert "resuming with changed options" in result.stdout and load_final(tmp_path)["step"] == 8
 
 
 # ----- 4. a diverging run stops at the first non-finite loss and keeps the finite checkpoint ----------
 def test_divergence_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path):
-    result = run(plain([*QUICK, "--optimizer", "sgd", "--lr", "1e6", "--max-steps", "30", "--checkpoint-every", "1",
-                        "--output-dir", str(tmp_path)]), timeout=120)
+    result = train_here([*QUICK, "--optimizer", "sgd", "--lr", "1e6", "--max-steps", "30", "--checkpoint-every", "1",
+                         "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"loss became NaN or infinite at step (\d+);.*last\.pt is the last finite checkpoint")
     for name in ("last.pt", "previous.pt"):
         state = torch.load(tmp_path / name, weights_only=True)["model"]
@@ -151,7 +163,7 @@ def test_divergence_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path):
 
 # ----- 6. options that would do nothing ------------------------------------------------------------
 def test_fail_at_step_on_one_process_is_refused(tmp_path):
-    result = run(plain([*QUICK, "--fail-at-step", "3", "--output-dir", str(tmp_path)]), timeout=120)
+    result = train_here([*QUICK, "--fail-at-step", "3", "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"--fail-rank 1 does not exist in a job of 1 process"
                                   r".*--fail-at-step would do nothing")
 
@@ -160,8 +172,7 @@ def test_fail_at_step_on_one_process_is_refused(tmp_path):
 def test_resume_never_moves_the_finished_run_aside(tmp_path, four_steps):
     copy_of(four_steps, tmp_path)
     files = {name: (tmp_path / name).read_bytes() for name in ("best.pt", "last.pt", "final.pt", "metrics.jsonl")}
-    result = check(run(plain([*QUICK, "--max-steps", "2", "--resume", "never", "--output-dir", str(tmp_path)]),
-                       timeout=120))
+    result = check(train_here([*QUICK, "--max-steps", "2", "--resume", "never", "--output-dir", str(tmp_path)]))
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("previous-run-")]
     assert len(aside) == 1 and f"moved to {aside[0]}" in result.stdout
     assert {name: (aside[0] / name).read_bytes() for name in files} == files  # the old run, byte for byte

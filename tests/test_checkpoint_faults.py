@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PLAIN_SGD, PYTHON, SAMPLE, Job, launcher_env, plain, run, torchrun
+from conftest import PLAIN_SGD, PYTHON, SAMPLE, Job, launcher_env, plain, run, torchrun, train_here
 from test_bad_input import assert_one_clear_line
 
 QUICK = [*SAMPLE, *PLAIN_SGD]
@@ -45,7 +45,7 @@ def test_a_second_job_in_a_busy_output_dir_stops_at_once_and_touches_nothing(tmp
                                           "--output-dir", str(out)]), timeout=90)
         assert_one_clear_line(second, held)
         assert "resuming from" not in second.stdout
-        fresh = run(plain(QUICK + ["--resume", "never", "--max-steps", "1", "--output-dir", str(out)]), timeout=60)
+        fresh = train_here(QUICK + ["--resume", "never", "--max-steps", "1", "--output-dir", str(out)])
         assert_one_clear_line(fresh, held)
         assert not list(out.glob("previous-run-*")) and (out / "last.pt").exists()  # nothing moved aside
         assert first.proc.poll() is None, first.output()[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, horovodrun, in_matrix, plain, read_metrics, run, torchrun
+from conftest import check, horovodrun, in_matrix, read_metrics, run, torchrun, train_here
 
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.models.resnet import HEAD_PREFIX, resnet34_classifier
@@ -118,8 +118,8 @@ def test_bad_input_is_one_line(problem, sample, tmp_path):
     shutil.copytree(sample, root)
     size = "31" if problem == "image-size" else "64"
     expected = "--image-size must be at least 32" if problem == "image-size" else break_layout(root, problem)
-    result = run(plain(["--task", "designsafe", "--data-root", str(root), "--no-pretrained", "--image-size", size,
-                        "--output-dir", str(tmp_path / "out")]), timeout=120)
+    result = train_here(["--task", "designsafe", "--data-root", str(root), "--no-pretrained", "--image-size", size,
+                         "--output-dir", str(tmp_path / "out")])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainbridge: error: ") and expected in lines[0], result.stderr

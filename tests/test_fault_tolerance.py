@@ -23,10 +23,10 @@ from conftest import (
     horovodrun,
     load_final,
     max_abs_diff,
-    plain,
     read_metrics,
     run,
     torchrun,
+    train_here,
 )
 
 STEPS = 124  # 2 epochs x 62 steps of 2 x 32 samples (4,000 // 64; the 32 left over wait for a later epoch)
@@ -160,7 +160,7 @@ def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, tor
     copy_of(torch_first_40_steps, tmp_path)
     # One process with twice the batch covers the same global batches from sample 2,560 on.
     args = [a if a != "32" else "64" for a in COMMON]
-    result = check(run(plain(args + ["--output-dir", str(tmp_path)]), timeout=240))
+    result = check(train_here(args + ["--output-dir", str(tmp_path)]))
     assert "sample 2560 of the epoch, step 40" in result.stdout
     final, rows = load_final(tmp_path), read_metrics(tmp_path)
     assert final["step"] == STEPS and rows[-1]["samples"] == STEPS * 64 and rows[-1]["world_size"] == 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import HOROVODRUN, PYTHON, TORCHRUN, Job, check, plain, run
+from conftest import HOROVODRUN, PYTHON, TORCHRUN, Job, check, run, train_here
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "misuse.py")
 
@@ -128,8 +128,7 @@ def test_a_readable_checkpoint_that_weights_only_refuses_is_not_called_corrupt(t
     last = tmp_path / "last.pt"
     torch.save({"format": "trainbridge-checkpoint-1", "config": argparse.Namespace(lr=0.1)}, last)
     before = last.read_bytes()
-    result = run(plain(["--dataset", "mnist-sample", "--epochs", "1", "--no-progress", "--output-dir", str(tmp_path)]),
-                 timeout=120)
+    result = train_here(["--dataset", "mnist-sample", "--epochs", "1", "--no-progress", "--output-dir", str(tmp_path)])
     assert result.returncode == 2, result.stderr[-3000:]
     lines = error_lines(result)
     assert len(lines) == 1 and "is intact but holds a value torch.load(weights_only=True) refuses" in lines[0], lines

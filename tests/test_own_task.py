@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check, horovodrun, in_matrix, load_final, plain, read_metrics, run, torchrun
+from conftest import check, horovodrun, in_matrix, load_final, read_metrics, run, torchrun, train_here
 from torch import nn
 
 from trainbridge.cli.train import main as train_main
@@ -25,7 +25,7 @@ def wave_val(noise: float):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("wave-1")
-    check(run(plain([*ARGS, "--batch-size", "50", "--output-dir", str(out)]), timeout=180))
+    check(train_here([*ARGS, "--batch-size", "50", "--output-dir", str(out)]))
     return out
 
 

@@ -14,10 +14,10 @@ from conftest import (
     in_matrix,
     load_final,
     mpirun,
-    plain,
     read_metrics,
     run,
     torchrun,
+    train_here,
 )
 
 K, B = PARITY_STEPS, PARITY_BATCH
@@ -38,8 +38,7 @@ EXPECTED_BACKEND = {"torchrun": "torch", "horovodrun-gloo": "horovod", "horovodr
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("local")
-    check(run(plain(COMMON + ["--batch-size", str(2 * B), "--backend", "local", "--output-dir", str(out)]),
-              timeout=120))
+    check(train_here(COMMON + ["--batch-size", str(2 * B), "--backend", "local", "--output-dir", str(out)]))
     return load_final(out)
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PLAIN_SGD, SAMPLE, check, copy_of, load_final, plain, read_metrics, run
+from conftest import PLAIN_SGD, SAMPLE, check, copy_of, load_final, plain, read_metrics, run, train_here
 from test_bad_input import assert_one_clear_line
 
 QUICK = [*SAMPLE, *PLAIN_SGD, "--epochs", "2"]
@@ -17,7 +17,7 @@ QUICK = [*SAMPLE, *PLAIN_SGD, "--epochs", "2"]
 def one_epoch(tmp_path_factory):
     """The output folder of ``QUICK`` trained for 1 epoch: not to be written to (copy it with ``copy_of``)."""
     out = tmp_path_factory.mktemp("one_epoch")
-    check(run(plain(QUICK + ["--epochs", "1", "--output-dir", str(out)]), timeout=120))
+    check(train_here(QUICK + ["--epochs", "1", "--output-dir", str(out)]))
     return out
 
 
@@ -28,11 +28,11 @@ def truncate(path):
 
 def test_corrupt_last_falls_back_to_previous_and_says_so(tmp_path, one_epoch):
     # Epoch 2 on top of the 1-epoch run: last.pt holds epoch 2, previous.pt epoch 1.
-    check(run(plain(QUICK + ["--output-dir", str(copy_of(one_epoch, tmp_path))]), timeout=120))
+    check(train_here(QUICK + ["--output-dir", str(copy_of(one_epoch, tmp_path))]))
     assert (tmp_path / "previous.pt").exists()
     truncate(tmp_path / "last.pt")
     corrupt_bytes = (tmp_path / "last.pt").read_bytes()
-    result = check(run(plain(QUICK + ["--epochs", "3", "--output-dir", str(tmp_path)]), timeout=120))
+    result = check(train_here(QUICK + ["--epochs", "3", "--output-dir", str(tmp_path)]))
     assert "last.pt is corrupt" in result.stdout and "moved it to" in result.stdout
     assert (tmp_path / "last.pt.corrupt").read_bytes() == corrupt_bytes  # kept, not overwritten
     assert "resuming from" in result.stdout and "previous.pt" in result.stdout
@@ -43,7 +43,7 @@ def test_corrupt_checkpoint_without_fallback_stops(tmp_path, one_epoch):
     copy_of(one_epoch, tmp_path)
     (tmp_path / "previous.pt").unlink(missing_ok=True)
     truncate(tmp_path / "last.pt")
-    result = run(plain(QUICK + ["--output-dir", str(tmp_path)]), timeout=120)
+    result = train_here(QUICK + ["--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"no loadable checkpoint in .*last.pt corrupt.*--resume never")
     assert not (tmp_path / "last.pt").exists() and (tmp_path / "last.pt.corrupt").exists()
 
@@ -53,20 +53,20 @@ def test_resume_path_that_is_corrupt_names_the_file_and_leaves_it(tmp_path, one_
     shutil.copy(one_epoch / "last.pt", bad)
     truncate(bad)
     before = bad.read_bytes()
-    result = run(plain(QUICK + ["--resume", str(bad), "--output-dir", str(tmp_path / "b")]), timeout=120)
+    result = train_here(QUICK + ["--resume", str(bad), "--output-dir", str(tmp_path / "b")])
     assert_one_clear_line(result, r"checkpoint .*bad.pt is corrupt or truncated")
     assert bad.read_bytes() == before
 
 
 def test_checkpoint_of_another_model_names_the_keys(tmp_path, one_epoch):
     copy_of(one_epoch, tmp_path)
-    result = run(plain(QUICK + ["--model", "convnet-bn", "--output-dir", str(tmp_path)]), timeout=120)
+    result = train_here(QUICK + ["--model", "convnet-bn", "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"is for another model: missing keys: .*1\.weight.*unexpected keys: .*")
     assert torch.load(tmp_path / "last.pt", weights_only=True)["config"]["model"] == "plaincnn"
 
 
 def test_resume_path_that_does_not_exist(tmp_path):
-    result = run(plain(QUICK + ["--resume", str(tmp_path / "nope.pt"), "--output-dir", str(tmp_path)]), timeout=60)
+    result = train_here(QUICK + ["--resume", str(tmp_path / "nope.pt"), "--output-dir", str(tmp_path)])
     assert_one_clear_line(result, r"checkpoint .*nope.pt does not exist")
 
 

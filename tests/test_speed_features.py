@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, SHORT_SGD, check, horovodrun, load_final, max_abs_diff, plain, read_metrics, run, torchrun
+from conftest import (
+    PYTHON,
+    SHORT_SGD,
+    check,
+    horovodrun,
+    load_final,
+    max_abs_diff,
+    read_metrics,
+    run,
+    torchrun,
+    train_here,
+)
 
 from trainbridge.backends.horovod import CPU_CYCLE_TIME_MS, horovod_defaults
 from trainbridge.cli.train import main as train_main
@@ -37,7 +48,7 @@ ONE_EPOCH = COMMON + ["--epochs", "1"]
 @pytest.fixture(scope="module")
 def one_batch_of_768(tmp_path_factory):
     out = tmp_path_factory.mktemp("batch768")
-    check(run(plain(ONE_EPOCH + ["--backend", "local", "--batch-size", "768", "--output-dir", str(out)]), timeout=180))
+    check(train_here(ONE_EPOCH + ["--backend", "local", "--batch-size", "768", "--output-dir", str(out)]))
     return load_final(out)
 
 
@@ -93,9 +104,9 @@ def test_fp16_loss_scale_survives_a_resume(tmp_path):
     """The GradScaler's state is in the checkpoint: a resumed run continues its growth count."""
     args = COMMON + ["--batch-size", "32", "--amp", "fp16", "--backend", "local"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    check(run(plain(args + ["--max-steps", "6", "--output-dir", str(whole)]), timeout=120))
-    check(run(plain(args + ["--max-steps", "3", "--output-dir", str(split)]), timeout=120))
-    check(run(plain(args + ["--max-steps", "6", "--output-dir", str(split)]), timeout=120))
+    check(train_here(args + ["--max-steps", "6", "--output-dir", str(whole)]))
+    check(train_here(args + ["--max-steps", "3", "--output-dir", str(split)]))
+    check(train_here(args + ["--max-steps", "6", "--output-dir", str(split)]))
     a = torch.load(whole / "last.pt", weights_only=True)
     b = torch.load(split / "last.pt", weights_only=True)
     assert a["scaler"]["scale"] > 0 and a["scaler"]["_growth_tracker"] == 6  # 6 unskipped steps
@@ -153,8 +164,8 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, av
 # ----- --channels-last -------------------------------------------------------
 def test_channels_last_trains_the_same_model(tmp_path):
     args = COMMON + ["--backend", "local", "--batch-size", "32", "--max-steps", "6"]
-    check(run(plain(args + ["--channels-last", "off", "--output-dir", str(tmp_path / "off")]), timeout=120))
-    check(run(plain(args + ["--channels-last", "on", "--output-dir", str(tmp_path / "on")]), timeout=120))
+    check(train_here(args + ["--channels-last", "off", "--output-dir", str(tmp_path / "off")]))
+    check(train_here(args + ["--channels-last", "on", "--output-dir", str(tmp_path / "on")]))
     off, on = load_final(tmp_path / "off")["model"], load_final(tmp_path / "on")["model"]
     conv = next(k for k, v in on.items() if v.dim() == 4 and v.shape[1] > 1)  # 1 input channel: both layouts agree
     assert on[conv].is_contiguous(memory_format=torch.channels_last)  # the layout was applied

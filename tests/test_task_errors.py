@@ -13,7 +13,7 @@ from typing import Optional
 
 import pytest
 import torch
-from conftest import TORCHRUN, check, load_final, plain, read_metrics, run, torchrun
+from conftest import TORCHRUN, check, load_final, read_metrics, run, torchrun, train_here
 
 from trainbridge.cli.train import main as train_main
 
@@ -99,7 +99,7 @@ def train(tmp_path: Path, source: str, launcher: str, extra: Optional[list] = No
         return subprocess.CompletedProcess(args, code, "", "")
     if launcher == "torchrun":
         return run(torchrun(2, args), timeout=150)
-    return run(plain(args), timeout=90)
+    return train_here(args)
 
 
 # name: (task source, extra options, the line's pattern)
@@ -223,9 +223,9 @@ def test_a_path_option_is_saved_as_its_string_and_the_run_resumes(tmp_path):
     out = tmp_path / "out"
     args = ["--task", task, "--batch-size", "8", "--no-progress", "--notes-dir", str(tmp_path / "notes"),
             "--output-dir", str(out)]
-    check(run(plain([*args, "--epochs", "1"]), timeout=90))
+    check(train_here([*args, "--epochs", "1"]))
     saved = torch.load(out / "last.pt", weights_only=True)["config"]["task_options"]
     assert saved == {"notes_dir": str(tmp_path / "notes")}, saved
-    resumed = check(run(plain([*args, "--epochs", "2"]), timeout=90))
+    resumed = check(train_here([*args, "--epochs", "2"]))
     assert "resuming from" in resumed.stdout and "corrupt" not in resumed.stdout + resumed.stderr, resumed.stdout
     assert not list(out.glob("*.corrupt")) and load_final(out)["epoch"] == 2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check, load_final, plain, read_metrics, run, torchrun
+from conftest import check, load_final, read_metrics, run, torchrun, train_here
 
 from trainbridge.data import load_mnist
 from trainbridge.models import build_model
@@ -28,8 +28,8 @@ def test_three_ranks_evaluate_exactly_like_one_process(tmp_path):
 
 
 def test_outputs_contract(tmp_path):
-    check(run(plain(["--dataset", "mnist-sample", "--epochs", "2", "--max-steps", "70", "--batch-size", "64",
-                     "--no-progress", "--output-dir", str(tmp_path)]), timeout=120))
+    check(train_here(["--dataset", "mnist-sample", "--epochs", "2", "--max-steps", "70", "--batch-size", "64",
+                      "--no-progress", "--output-dir", str(tmp_path)]))
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert isinstance(final["step"], int) and isinstance(final["epoch"], int) and final["step"] == 70
     rows = read_metrics(tmp_path)

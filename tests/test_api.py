@@ -154,7 +154,9 @@ def torchrun_reference(tmp_path_factory):
     return final["model"]
 
 
-@pytest.mark.parametrize("target", ["rank 1", "the process group"])
+# To rank 1 only, another program where others check it under torchrun in make test: trainbridge train with dropout
+# (tests/test_resume_randomness.py, through the shared memory) and through gloo (tests/test_fault_tolerance.py).
+@pytest.mark.parametrize("target", [pytest.param("rank 1", marks=pytest.mark.matrix), "the process group"])
 def test_sigterm_stops_every_rank_at_one_step_and_the_next_launch_resumes(target, tmp_path, torchrun_reference):
     # To rank 1 only: a node-local eviction notice. To torchrun's process group, as SLURM and
     # Kubernetes send it, with DataLoader workers that get it too: torchrun forwards it to each
@@ -212,6 +214,7 @@ def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> 
 INIT_WITH = str(SCRIPTS / "init_with.py")
 
 
+@pytest.mark.matrix  # another program where one checks it under torchrun: trainbridge train (tests/test_bad_input.py)
 def test_horovod_backend_under_torchrun_is_one_line():
     result = run(torchrun(2, INIT_WITH, ["backend=horovod"]), timeout=120)
     assert_one_clear_line(result, r"horovod.*torchrun")

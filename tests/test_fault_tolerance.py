@@ -167,6 +167,9 @@ def test_resume_at_another_world_size_continues_at_the_same_sample(tmp_path, tor
     assert max_abs_diff(final["model"], torch_reference) < REORDERING
 
 
+# Another program where others check it under torchrun in make test: SIGTERM to torchrun, forwarded, with the own
+# loop (tests/test_api.py), and trainbridge train stopped mid-epoch with dropout (tests/test_resume_randomness.py).
+@pytest.mark.matrix
 def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_reference):
     job = Job(torchrun(2, COMMON + ["--output-dir", str(tmp_path)]), tmp_path / "log")
     job.wait_for_output("epoch 1 step 62", timeout=120)
@@ -180,6 +183,9 @@ def test_sigterm_checkpoints_and_the_next_launch_resumes(tmp_path, torch_referen
     assert final["step"] == STEPS and bitwise_equal(final["model"], torch_reference)
 
 
+# The other transport of the torch backend where the shared memory carries the flag in make test (the flag goes
+# through gloo at every step of a run with --shm-allreduce off, and across hosts; tests/test_shm_allreduce.py).
+@pytest.mark.matrix
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_through_gloo(tmp_path, torch_reference):
     # The stop flag travels through gloo here (--shm-allreduce off): the rank that got no signal must stop
     # at the same step. Through the shared-memory mailbox (the default on one CPU host), and for a torchrun

@@ -96,6 +96,10 @@ def stopped_by_sigterm(tmp_path_factory):
     return out, stops[0]
 
 
+# Another program where one checks it under torchrun in make test: at 2 ranks, trainbridge train with dropout
+# stopped by SIGTERM and relaunched (below); at 3, trainbridge train resumed by one process at the same sample
+# (tests/test_fault_tolerance.py). This loop's random streams in DataLoader workers: the kill above.
+@pytest.mark.matrix
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_sigterm_then_relaunch_resumes_bitwise_or_at_another_world_size_with_the_same_samples(
         nproc, stopped_by_sigterm, reference, tmp_path):
@@ -129,6 +133,9 @@ def cli_reference(tmp_path_factory):
     return load_final(out)["model"]
 
 
+# Another program where one checks it under torchrun in make test: the random loop's rank killed mid-epoch and
+# restarted by torchrun (above); trainbridge train's mid-epoch resume with dropout: the SIGTERM test below.
+@pytest.mark.matrix
 def test_train_convnet_dropout_killed_mid_epoch_resumes_bitwise(tmp_path, cli_reference):
     cmd = torchrun(2, CLI + ["--checkpoint-every", "10", "--fail-at-step", "87", "--output-dir", str(tmp_path)])
     result = check(run(cmd[:1] + ["--max-restarts=1"] + cmd[1:], timeout=300))

@@ -150,6 +150,9 @@ def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_p
     assert not alive(workers)
 
 
+# Another program where others check it under torchrun in make test: a loop with DataLoader workers (above, and
+# the own loop in tests/test_api.py), each stopped by SIGTERM to the process group.
+@pytest.mark.matrix
 def test_sigterm_to_the_process_group_stops_designsafe_with_its_default_workers(tmp_path):
     # trainbridge train's DesignSafe task starts DataLoader workers by default (the cores shared by the
     # ranks). Before: SIGTERM to the group killed them and every rank died with "DataLoader worker

@@ -4,7 +4,7 @@ Exit status 2 (under torchrun: rank 0's, and its line alone), no traceback, noth
 What can work does: metrics given as Python numbers, and a task without a validation split,
 which trains without evaluating. The small task files are written to tmp_path. Torchrun runs a
 representative few (one before the process group starts, one after, one at the first step);
-what fails while the file is loaded, before any job starts, runs in-process.
+the others run as one process, in the test process (``conftest.train_here``).
 """
 import re
 import subprocess
@@ -14,8 +14,6 @@ from typing import Optional
 import pytest
 import torch
 from conftest import TORCHRUN, check, load_final, read_metrics, run, torchrun, train_here
-
-from trainbridge.cli.train import main as train_main
 
 GOOD = '''import torch
 from torch import nn
@@ -94,9 +92,6 @@ def assert_one_line(result: subprocess.CompletedProcess, pattern: str, out: Path
 
 def train(tmp_path: Path, source: str, launcher: str, extra: Optional[list] = None) -> subprocess.CompletedProcess:
     args = ["--task", task_file(tmp_path, source), *ARGS, "--output-dir", str(tmp_path / "out"), *(extra or [])]
-    if launcher == "in-process":
-        code = train_main(args)
-        return subprocess.CompletedProcess(args, code, "", "")
     if launcher == "torchrun":
         return run(torchrun(2, args), timeout=150)
     return train_here(args)
@@ -153,19 +148,9 @@ CASES = {
         r"use --scheduler step"),
 }
 UNDER_TORCHRUN = ("syntax error", "empty validation set", "per-sample training loss, no validation split")
-IN_PROCESS = ("import error", "exception at import", "sys.exit(0) at import", "abstract class",
-              "load_data still called prepare")
 
 
-@pytest.mark.parametrize("case", IN_PROCESS)
-def test_bad_task_file_is_one_line_in_process(case, tmp_path, capsys):
-    source, extra, pattern = CASES[case]
-    result = train(tmp_path, source, "in-process", extra)
-    result.stderr = capsys.readouterr().err
-    assert_one_line(result, pattern, tmp_path / "out", "plain")
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c not in UNDER_TORCHRUN + IN_PROCESS])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in UNDER_TORCHRUN])
 def test_bad_task_is_one_line(case, tmp_path):
     source, extra, pattern = CASES[case]
     assert_one_line(train(tmp_path, source, "plain", extra), pattern, tmp_path / "out", "plain")

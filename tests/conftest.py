@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # The launches' settings (launcher_env), for the runs in this process too (train_here), before torch loads
 # its OpenMP runtime, which reads them once: a waiting OpenMP thread sleeps instead of spinning on a core
@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PYTHON = sys.executable
@@ -387,17 +388,36 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
 
 
 # ----- runs that tests in several modules check, each started once per session -----------------------------
+def once_per_session(tmp_path_factory, worker_id: str, name: str, cmd: Callable[[Path], List[str]]
+                     ) -> Tuple[Path, subprocess.CompletedProcess]:
+    """``cmd(out)`` run and checked once in the whole session: its output folder and the launch's output.
+
+    A session fixture is set up once per pytest-xdist worker, and two test files on two workers would start
+    the same run twice. The first worker to ask runs it in the folder the run's workers share, under a file
+    lock; the others wait for it and read what it left (pytest-xdist's documented way).
+    """
+    if worker_id == "master":  # no workers: this process is the session
+        out = tmp_path_factory.mktemp(name)
+        return out, check(run(cmd(out), timeout=180))
+    out = tmp_path_factory.getbasetemp().parent / name  # popen-gwN's parent: this run's, shared by its workers
+    record = out.parent / f"{name}.json"
+    with FileLock(f"{record}.lock"):
+        if not record.exists():
+            result = check(run(cmd(out), timeout=180))
+            record.write_text(json.dumps([result.stdout, result.stderr]))
+        stdout, stderr = json.loads(record.read_text())
+    return out, subprocess.CompletedProcess(cmd(out), 0, stdout, stderr)
+
+
 @pytest.fixture(scope="session")
-def parity_spawn_run(tmp_path_factory) -> Path:
+def parity_spawn_run(tmp_path_factory, worker_id) -> Path:
     """The parity run on 2 processes of trainbridge's --nproc spawner (batch 32 each): its output folder."""
-    out = tmp_path_factory.mktemp("parity_spawn")
-    check(run(plain(PARITY + ["--batch-size", str(PARITY_BATCH), "--nproc", "2", "--output-dir", str(out)]),
-              timeout=180))
-    return out
+    return once_per_session(tmp_path_factory, worker_id, "parity_spawn", lambda out: plain(
+        PARITY + ["--batch-size", str(PARITY_BATCH), "--nproc", "2", "--output-dir", str(out)]))[0]
 
 
 @pytest.fixture(scope="session")
-def short_sgd_torchrun_run(tmp_path_factory) -> Tuple[Path, subprocess.CompletedProcess]:
+def short_sgd_torchrun_run(tmp_path_factory, worker_id) -> Tuple[Path, subprocess.CompletedProcess]:
     """``SHORT_SGD`` under torchrun with 2 processes: its output folder and the launch's output."""
-    out = tmp_path_factory.mktemp("short_sgd_torchrun")
-    return out, check(run(torchrun(2, SHORT_SGD + ["--output-dir", str(out)]), timeout=180))
+    return once_per_session(tmp_path_factory, worker_id, "short_sgd_torchrun",
+                            lambda out: torchrun(2, SHORT_SGD + ["--output-dir", str(out)]))

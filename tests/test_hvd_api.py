@@ -147,6 +147,9 @@ def test_sparse_embedding_training_matches_the_real_horovod(tmp_path):
     assert (ours["sparse"]["0.weight"] - untouched).abs().max() > 1e-3
 
 
+# Another program where one checks it under torchrun in make test: trainbridge train --backend horovod (the same
+# refuse_horovod_under, tests/test_bad_input.py).
+@pytest.mark.matrix
 def test_real_horovod_requested_under_torchrun_is_refused_with_one_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import trainbridge.hvd as hvd\nhvd.init()\nprint('TRAINED ALONE', hvd.size())\n")

@@ -2,11 +2,15 @@
 import re
 from pathlib import Path
 
+import pytest
 from conftest import TORCHRUN, check, run
 
 SCRIPT = Path(__file__).parent / "hvd_scripts" / "elastic_mnist.py"
 
 
+# Another program where one checks it under torchrun in make test: a restart resumes from the last commit with
+# the values of tests/test_hvd_faults.py.
+@pytest.mark.matrix
 def test_elastic_run_resumes_from_last_commit_after_a_crash(tmp_path):
     result = check(run([TORCHRUN, "--standalone", "--max-restarts=1", "--nproc-per-node=2", str(SCRIPT),
                         "--crash-at-batch", "7", "--batches-per-commit", "3"], timeout=240,

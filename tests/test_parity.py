@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
     return load_final(out)
 
 
-@pytest.mark.parametrize("name", in_matrix(list(RUNS), {"horovodrun-mpi", "mpirun-torch", "horovodrun-torch"}))
+@pytest.mark.parametrize("name", in_matrix(list(RUNS), {"horovodrun-mpi", "mpirun-torch", "horovodrun-torch", "spawn"}))
 def test_two_processes_match_one_process_with_twice_the_batch(name, reference, tmp_path, request):
     if RUNS[name] is None:
         out = request.getfixturevalue("parity_spawn_run")

@@ -218,6 +218,7 @@ def test_ctrl_c_under_tb_spawn_stops_the_workers_in_order(tmp_path):
     assert re.search(r"stopped by SIGTERM after step \d+", log) and (tmp_path / "last.pt").exists(), log[-3000:]
 
 
+@pytest.mark.matrix  # the spawner, another launcher: make test keeps a bug's traceback under torchrun (below)
 def test_a_bug_under_tb_spawn_keeps_its_traceback(tmp_path):
     # Before: "trainbridge: error: a spawned worker failed: KeyError: 'missing'" and no frame.
     script = tmp_path / "bug.py"

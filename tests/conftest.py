@@ -55,8 +55,9 @@ SHORT_SGD = ["--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dat
 
 def inherited_launcher_variables(env: Dict[str, str]) -> List[str]:
     """The variables of ``env`` that announce a launcher: a test must not inherit the one of whoever ran pytest."""
-    return [k for k in env if k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
-            or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]
+    return [k for k in env if k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
+            or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "TRAINBRIDGE_SPAWNED")]
 
 
 def launcher_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -16,21 +16,18 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import inherited_launcher_variables
 
 import trainbridge as tb
 from trainbridge.launch.rendezvous import free_port
-
-LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_", "TORCHELASTIC_")
 
 
 @contextlib.contextmanager
 def one_rank_env() -> Iterator[pytest.MonkeyPatch]:
     """The environment of rank 0 of a one-process ``env://`` job on a free port, with no other launcher's variables."""
     with pytest.MonkeyPatch.context() as env:
-        for name in [n for n in os.environ if n.startswith(LAUNCHER_PREFIXES)]:
+        for name in inherited_launcher_variables(dict(os.environ)):
             env.delenv(name)
-        for name in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "TRAINBRIDGE_SPAWNED"):
-            env.delenv(name, raising=False)
         env.setenv("RANK", "0")
         env.setenv("WORLD_SIZE", "1")
         env.setenv("LOCAL_RANK", "0")

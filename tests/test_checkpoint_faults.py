@@ -120,7 +120,7 @@ def test_save_to_a_read_only_place_is_one_line(read_only_dir, mode):
     before = files(read_only_dir)
     result = save(read_only_dir / "good.pt", "plain", mode)
     assert_one_clear_line(result, r"cannot write the checkpoint .*good\.pt: Read-only file system; the checkpoints "
-                                  r"already in .* are unchanged; make .* writable or write elsewhere")
+                                  r"already in .* are unchanged; make .* writable or save to another folder")
     assert files(read_only_dir) == before
 
 

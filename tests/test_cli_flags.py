@@ -13,6 +13,13 @@ def test_arguments_that_are_options_become_flags():
     assert in_cli_words('use shm_allreduce="auto" or shm_allreduce="off"') == "use --shm-allreduce auto or off"
 
 
+def test_a_failed_write_is_fixed_by_another_output_dir():
+    # The library offers another folder; trainbridge train's checkpoints live in --output-dir.
+    assert in_cli_words("cannot write the checkpoint runs/last.pt: File too large; free space there or save to "
+                        "another folder") == ("cannot write the checkpoint runs/last.pt: File too large; free space "
+                                              "there or pass another --output-dir")
+
+
 def test_other_arguments_and_text_are_left_alone():
     message = 'job.save({"model": model}, path): op="sum" and x=1 stay; a == b; https://x.org/?a=b'
     assert in_cli_words(message) == message

@@ -77,7 +77,7 @@ def test_a_write_where_the_parent_is_a_file_is_one_line_and_creates_nothing(tmp_
     (tmp_path / "a_file").write_text("not a folder")
     # os.makedirs says "File exists" here; the line names the path, says nothing changed, and the fix.
     with pytest.raises(UserError, match=r"cannot write the checkpoint .*a_file/last\.pt: .*; the checkpoints "
-                                        r"already in .*a_file are unchanged; .*pass another --output-dir"):
+                                        r"already in .*a_file are unchanged; .*save to another folder"):
         atomic_save(saved(1), str(tmp_path / "a_file" / "last.pt"))
     assert files_in(tmp_path) == ["a_file"]
 
@@ -118,7 +118,7 @@ def test_a_write_cut_by_the_file_size_limit_leaves_both_files_and_no_temporary_f
     """)
     assert result.returncode == 0, result
     assert "cannot write the checkpoint" in result.stdout and "File too large" in result.stdout, result.stdout
-    assert "free space there or pass another --output-dir" in result.stdout
+    assert "free space there or save to another folder" in result.stdout
     assert files_in(tmp_path) == ["last.pt", "previous.pt"]
     assert torch.equal(torch.load(tmp_path / "last.pt", weights_only=True)["v"], torch.ones(4))
     assert torch.equal(torch.load(tmp_path / "previous.pt", weights_only=True)["v"], torch.zeros(4))

@@ -27,6 +27,10 @@ from ..errors import UserError, first_line
 from ..runtime import atomic_files
 from ..runtime.weights_only import unloadable_value  # noqa: F401 - job.save's check, imported from here
 
+# The fix a failed write offers, in the library's words: a script chose the path. trainbridge train
+# says "pass another --output-dir" instead (trainbridge.cli.flags), since its checkpoints live there.
+ELSEWHERE = "save to another folder"
+
 
 class CorruptCheckpoint(UserError):
     """A checkpoint file that cannot be read at all (truncated, not a torch file): the only kind set aside."""
@@ -91,11 +95,11 @@ def _raise_why_not_written(path: str, exc: BaseException) -> None:
     unchanged = f"the checkpoints already in {directory} are unchanged"
     if isinstance(exc, OSError):
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            fix = f"make {directory} writable or write elsewhere (another --output-dir)"
+            fix = f"make {directory} writable or {ELSEWHERE}"
         elif exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            fix = "free space there or pass another --output-dir"
+            fix = f"free space there or {ELSEWHERE}"
         else:
-            fix = f"check {directory} or pass another --output-dir"
+            fix = f"check {directory} or {ELSEWHERE}"
         raise UserError(f"cannot write the checkpoint {path}: {exc.strerror or exc}; {unchanged}; {fix}") from exc
     if isinstance(exc, pickle.PicklingError) or (
         isinstance(exc, (AttributeError, TypeError)) and "pickle" in str(exc).lower()

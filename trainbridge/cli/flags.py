@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from ..api.files import ELSEWHERE
 from ..errors import UserError
 from ..training.config import TrainConfig
 
@@ -18,6 +19,9 @@ OPTIONS = {field.name for field in dataclasses.fields(TrainConfig)}
 ARGUMENT = re.compile(r"""\b([a-z_]+)=(?:"([^"]*)"|'([^']*)'|([\w.+-]+))""")
 # --flag a or --flag b: the flag once (--flag a or b).
 ALTERNATIVE = re.compile(r"(--[a-z-]+) (\S+) or \1 ")
+# Phrases of the library whose command-line form is a flag: trainbridge train writes its checkpoints in
+# --output-dir, so a write that failed there is fixed by another one.
+PHRASES = {ELSEWHERE: "pass another --output-dir"}
 
 
 def flag(match: re.Match) -> str:
@@ -31,7 +35,10 @@ def flag(match: re.Match) -> str:
 
 def in_cli_words(message: str) -> str:
     """``message`` with every argument that is also an option of trainbridge train written as that flag."""
-    return ALTERNATIVE.sub(r"\1 \2 or ", ARGUMENT.sub(flag, message))
+    message = ALTERNATIVE.sub(r"\1 \2 or ", ARGUMENT.sub(flag, message))
+    for library, command_line in PHRASES.items():
+        message = message.replace(library, command_line)
+    return message
 
 
 def cli_error(exc: BaseException) -> BaseException:

@@ -9,8 +9,10 @@ Thread states are numbered in order of creation, so the numbers of two threads s
 before and after the loop say how many were made in between.
 """
 import ctypes
+import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,22 @@ elif sys.argv[1:] == ["job"]:  # the API on any backend (under horovodrun: the r
     rank = job.rank
     job.shutdown()
 else:
+    late = sys.argv[1:] == ["tb-late"] and os.environ["RANK"] == "1"
+    if late:
+        # Rank 1 as a loaded machine makes it: its main thread loses the CPU after each collective is queued,
+        # and the collective has finished (the peer was there first) before rank 1 can act on it.
+        queue = dist.all_reduce
+
+        def all_reduce_then_lose_the_cpu(*args, **kwargs):
+            work = queue(*args, **kwargs)
+            if kwargs.get("async_op"):
+                time.sleep(0.05)
+            return work
+
+        dist.all_reduce = all_reduce_then_lose_the_cpu
     job = tb.init()
+    if late:
+        dist.all_reduce = queue
     before = next_thread_state_number()
     for step in range(100):
         dist.all_reduce(torch.tensor([float(step)]))  # the tensor is Python's only until the call returns

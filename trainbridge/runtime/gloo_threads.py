@@ -13,7 +13,12 @@ inside ``os.fork``. It was seen in CI, one evaluation loader in some hundreds.
 The fix for those Pythons: each worker thread makes its thread state once, here, and keeps
 it (``PyGILState_Ensure`` without a release), so it never takes that lock again. Each
 thread is reached through a callback on a collective's future, which gloo runs on the
-worker thread that completed it.
+worker thread that completed it, but only if the callback was there before the collective
+finished: one that finished first runs it at once on the main thread. The rank that queues
+its collectives last finds them finished (its peers were waiting), and on a loaded machine
+the same rank kept coming last (CI: 72 thread states made afterwards on one rank, none on
+the other). So the ranks take turns at coming last, through the group's store: in each round
+the others attach their callbacks before the last one queues anything.
 
 At exit, the same release is why no gloo group may still be alive at the interpreter's
 teardown: once that has started, Python makes a thread that asks for the GIL exit, and for
@@ -49,10 +54,10 @@ def keep_thread_states(group: Any = None) -> None:
 
     if not AFFECTED:
         return
-    backend: Any = (group if group is not None else dist.group.WORLD)._get_backend(  # type: ignore[union-attr]
-        torch.device("cpu")
-    )
-    threads = backend.options._threads
+    process_group: Any = group if group is not None else dist.group.WORLD
+    threads = process_group._get_backend(torch.device("cpu")).options._threads
+    store = dist.distributed_c10d._get_process_group_store(process_group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     kept: Set[int] = set()
     main = threading.get_ident()
 
@@ -63,10 +68,20 @@ def keep_thread_states(group: Any = None) -> None:
             kept.add(ident)
         return future.value()
 
-    for _ in range(MAX_ROUNDS):
-        # As many collectives at once as there are worker threads, so that each may take one.
+    for attempt in range(MAX_ROUNDS):
+        last = attempt % size  # the rank that queues its collectives after every other rank's callbacks
+        attached = [f"trainbridge/thread_states/{attempt}/{r}" for r in range(size) if r != last]
+        if rank == last:
+            store.wait(attached)
+            for key in attached:
+                store.delete_key(key)  # a later group on the same store starts clean
+        # As many collectives at once as there are worker threads: on the other ranks each holds its thread
+        # until the last rank queues its own, so every thread takes one.
         works = [dist.all_reduce(torch.zeros(1), group=group, async_op=True) for _ in range(threads)]
-        for future in [work.get_future().then(keep) for work in works]:
+        futures = [work.get_future().then(keep) for work in works]
+        if rank != last:
+            store.set(f"trainbridge/thread_states/{attempt}/{rank}", "attached")
+        for future in futures:
             future.wait()
         # Every rank goes on until every rank has reached all of its threads: the same rounds everywhere.
         missing = torch.tensor([threads - len(kept)], dtype=torch.int32)

@@ -441,7 +441,8 @@ GLOO_THREADS = str(Path(__file__).resolve().parent / "api_scripts" / "gloo_threa
 @pytest.mark.skipif(not GLOO_THREAD_STATES_KEPT, reason=f"Python {sys.version.split()[0]} resets its thread-list lock "
                     "in a forked child first (CPython gh-112275 fixed): no thread needs a state of its own")
 @pytest.mark.launch
-@pytest.mark.parametrize("api", ["torchrun-tb", "torchrun-tb-late", "torchrun-hvd", "horovodrun-job"])
+@pytest.mark.parametrize("api", ["torchrun-tb", "torchrun-tb-late", "torchrun-hvd", "horovodrun-job",
+                                 "horovodrun-job-late"])
 def test_collective_threads_make_no_thread_state_that_a_forked_loader_worker_could_inherit_locked(api):
     # CI once had an evaluation loader's worker stuck for good inside os.fork: a gloo thread was making
     # a Python thread state (to release a finished collective's tensors) at that instant. Before the fix,
@@ -449,7 +450,7 @@ def test_collective_threads_make_no_thread_state_that_a_forked_loader_worker_cou
     # 300 on the real Horovod's background thread (its Gloo and MPI controllers alike); each one a chance.
     # tb-late: rank 1's main thread loses the CPU after queueing each collective, as on a loaded machine, so
     # its collectives finish before it can attach anything to them (CI: 72 thread states made on one rank,
-    # 129 here, before the ranks took turns at coming last).
+    # 129 here, before the ranks took turns at coming last); job-late: the same for Horovod's thread (302).
     launcher, mode = api.split("-", 1)
     command = ([TORCHRUN, "--standalone", "--nproc-per-node=2"] if launcher == "torchrun"
                else [HOROVODRUN, "-np", "2", "--gloo", PYTHON])

@@ -45,8 +45,23 @@ if sys.argv[1:] == ["hvd"]:  # trainbridge.hvd, whose engine adds gloo groups of
     after = next_thread_state_number()
     rank = hvd.rank()
     hvd.shutdown()
-elif sys.argv[1:] == ["job"]:  # the API on any backend (under horovodrun: the real Horovod's background thread)
+elif sys.argv[1:] in (["job"], ["job-late"]):  # the API on any backend (horovodrun: Horovod's background thread)
+    rank_1 = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1"
+    late = sys.argv[1:] == ["job-late"] and rank_1
+    if late:  # as tb-late, below, for the collective that reaches Horovod's background thread
+        import horovod.torch
+
+        queue_async = horovod.torch.allreduce_async_
+
+        def allreduce_async_then_lose_the_cpu(*args, **kwargs):
+            handle = queue_async(*args, **kwargs)
+            time.sleep(0.05)
+            return handle
+
+        horovod.torch.allreduce_async_ = allreduce_async_then_lose_the_cpu
     job = tb.init()
+    if late:
+        horovod.torch.allreduce_async_ = queue_async
     before = next_thread_state_number()
     for step in range(100):
         job.allreduce(torch.tensor([float(step)]), op="sum")  # a check (an object gather), then the allreduce
@@ -79,5 +94,5 @@ else:
     after = next_thread_state_number()
     rank = job.rank
     job.shutdown()
-print(f"rank {rank}: {after - before - 1} thread states made during {'300' if sys.argv[1:] == ['job'] else '200'} "
+print(f"rank {rank}: {after - before - 1} thread states made during {'300' if 'job' in sys.argv[1] else '200'} "
       f"collectives", flush=True)

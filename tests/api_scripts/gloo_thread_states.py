@@ -33,6 +33,25 @@ def next_thread_state_number() -> int:
     return seen[0]
 
 
+LATE = sys.argv[1].endswith("-late") and "1" in (os.environ.get("RANK"), os.environ.get("HOROVOD_RANK"),
+                                                 os.environ.get("OMPI_COMM_WORLD_RANK"))
+
+
+def made_late(module, name):
+    """Rank 1 as a loaded machine makes it: its main thread loses the CPU after each collective that
+    ``module.name`` queues, and the collective has finished (the peer was there first) before rank 1 can
+    act on it. Returns what puts ``module.name`` back; the collectives themselves are real."""
+    queue = getattr(module, name)
+
+    def queue_then_lose_the_cpu(*args, **kwargs):
+        queued = queue(*args, **kwargs)
+        time.sleep(0.05)
+        return queued
+
+    setattr(module, name, queue_then_lose_the_cpu)
+    return lambda: setattr(module, name, queue)
+
+
 if sys.argv[1:] == ["hvd"]:  # trainbridge.hvd, whose engine adds gloo groups of its own
     import trainbridge.hvd as hvd
 
@@ -46,22 +65,13 @@ if sys.argv[1:] == ["hvd"]:  # trainbridge.hvd, whose engine adds gloo groups of
     rank = hvd.rank()
     hvd.shutdown()
 elif sys.argv[1:] in (["job"], ["job-late"]):  # the API on any backend (horovodrun: Horovod's background thread)
-    rank_1 = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1"
-    late = sys.argv[1:] == ["job-late"] and rank_1
-    if late:  # as tb-late, below, for the collective that reaches Horovod's background thread
+    if LATE:  # the collective that reaches Horovod's background thread
         import horovod.torch
 
-        queue_async = horovod.torch.allreduce_async_
-
-        def allreduce_async_then_lose_the_cpu(*args, **kwargs):
-            handle = queue_async(*args, **kwargs)
-            time.sleep(0.05)
-            return handle
-
-        horovod.torch.allreduce_async_ = allreduce_async_then_lose_the_cpu
+        put_back = made_late(horovod.torch, "allreduce_async_")
     job = tb.init()
-    if late:
-        horovod.torch.allreduce_async_ = queue_async
+    if LATE:
+        put_back()
     before = next_thread_state_number()
     for step in range(100):
         job.allreduce(torch.tensor([float(step)]), op="sum")  # a check (an object gather), then the allreduce
@@ -70,22 +80,11 @@ elif sys.argv[1:] in (["job"], ["job-late"]):  # the API on any backend (horovod
     rank = job.rank
     job.shutdown()
 else:
-    late = sys.argv[1:] == ["tb-late"] and os.environ["RANK"] == "1"
-    if late:
-        # Rank 1 as a loaded machine makes it: its main thread loses the CPU after each collective is queued,
-        # and the collective has finished (the peer was there first) before rank 1 can act on it.
-        queue = dist.all_reduce
-
-        def all_reduce_then_lose_the_cpu(*args, **kwargs):
-            work = queue(*args, **kwargs)
-            if kwargs.get("async_op"):
-                time.sleep(0.05)
-            return work
-
-        dist.all_reduce = all_reduce_then_lose_the_cpu
+    if LATE:  # the collectives that reach gloo's worker threads
+        put_back = made_late(dist, "all_reduce")
     job = tb.init()
-    if late:
-        dist.all_reduce = queue
+    if LATE:
+        put_back()
     before = next_thread_state_number()
     for step in range(100):
         dist.all_reduce(torch.tensor([float(step)]))  # the tensor is Python's only until the call returns

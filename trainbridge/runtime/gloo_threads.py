@@ -70,17 +70,17 @@ def keep_thread_states(group: Any = None) -> None:
 
     for attempt in range(MAX_ROUNDS):
         last = attempt % size  # the rank that queues its collectives after every other rank's callbacks
-        attached = [f"trainbridge/thread_states/{attempt}/{r}" for r in range(size) if r != last]
+        attached = {r: f"trainbridge/thread_states/{attempt}/{r}" for r in range(size) if r != last}
         if rank == last:
-            store.wait(attached)
-            for key in attached:
+            store.wait(list(attached.values()))
+            for key in attached.values():
                 store.delete_key(key)  # a later group on the same store starts clean
         # As many collectives at once as there are worker threads: on the other ranks each holds its thread
         # until the last rank queues its own, so every thread takes one.
         works = [dist.all_reduce(torch.zeros(1), group=group, async_op=True) for _ in range(threads)]
         futures = [work.get_future().then(keep) for work in works]
         if rank != last:
-            store.set(f"trainbridge/thread_states/{attempt}/{rank}", "attached")
+            store.set(attached[rank], "attached")
         for future in futures:
             future.wait()
         # Every rank goes on until every rank has reached all of its threads: the same rounds everywhere.

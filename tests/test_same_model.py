@@ -1,0 +1,83 @@
+"""Common code whose model must not depend on the launcher or the world size ends with one process's weights.
+
+tests/api_scripts/same_model.py runs every program of tests/api_scripts/same_model_programs/
+in one job (float64, a fixed global batch): each must end within 1e-9 of one plain python
+process, every rank holding rank 0's weights bit for bit, and pass its module's own check.
+Each launcher is started once; each program is checked by its own test.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
+
+SCRIPTS = Path(__file__).resolve().parent / "api_scripts"
+SCRIPT = str(SCRIPTS / "same_model.py")
+sys.path.insert(0, str(SCRIPTS))
+from same_model import programs  # noqa: E402
+
+PROGRAMS = programs()
+TIMEOUT = 300
+TOLERANCE = 1e-9
+
+# name -> (command for the script's arguments, world size, backend the job must pick)
+LAUNCHERS = {
+    "torchrun-2": (lambda a: [TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, *a], 2, "torch"),
+    "torchrun-3": (lambda a: [TORCHRUN, "--standalone", "--nproc-per-node=3", SCRIPT, *a], 3, "torch"),
+    "horovodrun-gloo": (lambda a: [HOROVODRUN, "-np", "2", "--gloo", PYTHON, SCRIPT, *a], 2, "horovod"),
+    "horovodrun-mpi": (lambda a: [HOROVODRUN, "-np", "2", "--mpi", PYTHON, SCRIPT, *a], 2, "horovod"),
+    "mpirun": (lambda a: [MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, SCRIPT, *a], 2, "horovod"),
+}
+# make test runs every program under torchrun-2 and horovodrun-gloo, one launch per backend; the rest is the
+# launcher matrix, which make test-e2e runs.
+MATRIX = {"torchrun-3", "horovodrun-mpi", "mpirun"}
+
+
+def load(out: Path, program: str) -> dict:
+    return torch.load(out / f"{program}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One plain python process (the local backend) with the whole global batch."""
+    out = tmp_path_factory.mktemp("same_model_local")
+    result = check(run([PYTHON, SCRIPT, "--output-dir", str(out)], timeout=TIMEOUT))
+    saved = {program: load(out, program) for program in PROGRAMS}
+    for program, final in saved.items():
+        assert (final["world_size"], final["backend"]) == (1, "local"), program
+    return {"out": out, "stdout": result.stdout, **saved}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(name)``: (output dir, result) of the script under that launcher, started once per module."""
+    done = {}
+
+    def launch(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"same_model_{name}")
+            done[name] = out, run(LAUNCHERS[name][0](["--output-dir", str(out)]), timeout=TIMEOUT)
+        out, result = done[name]
+        return out, check(result)
+    return launch
+
+
+@pytest.mark.parametrize("launcher,program", [
+    pytest.param(name, program, id=f"{name}-{program}", marks=[pytest.mark.matrix] if name in MATRIX else [])
+    for name in LAUNCHERS for program in PROGRAMS])
+def test_program_matches_one_process(launcher, program, reference, launched):
+    out, result = launched(launcher)
+    saved, ref = load(out, program), reference[program]
+    _, world_size, backend = LAUNCHERS[launcher]
+    # The world size and backend the job saw: ranks that each trained alone would also "match".
+    assert (saved["world_size"], saved["backend"]) == (world_size, backend)
+    assert saved["final"].keys() == ref["final"].keys()
+    assert not [key for key in saved["final"] if key.startswith(("module.", "_orig_mod."))]
+    assert all(value.dtype == torch.float64 for value in saved["final"].values() if value.is_floating_point())
+    assert max_abs_diff(saved["initial"], ref["initial"]) == 0.0
+    assert saved["cross_rank_max_diff"] == 0.0, f"{launcher} {program}: ranks' weights differ"
+    diff = max_abs_diff(saved["final"], ref["final"])
+    assert diff <= TOLERANCE, f"{launcher} {program}: max abs weight difference {diff:.3g} vs one process"
+    assert max_abs_diff(saved["final"], saved["initial"]) > 1e-3  # the weights moved
+    PROGRAMS[program].check(saved, ref)

@@ -23,12 +23,15 @@ import torch
 import trainbridge as tb
 
 FOLDER = Path(__file__).resolve().parent / "same_model_programs"
+# Run before the others: it calls job.set_seed before the job's first prepare, where every rank seeds alike.
+FIRST = ["ema_before"]
 
 
 def programs() -> dict:
-    """NAME -> module, in module-name order."""
+    """NAME -> module, FIRST first, then in module-name order."""
     found = {}
-    for info in sorted(pkgutil.iter_modules([str(FOLDER)]), key=lambda m: m.name):
+    names = sorted(pkgutil.iter_modules([str(FOLDER)]), key=lambda m: (m.name not in FIRST, m.name))
+    for info in names:
         module = importlib.import_module(f"same_model_programs.{info.name}")
         found[module.NAME] = module
     return found

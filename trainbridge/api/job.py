@@ -41,7 +41,9 @@ from .loaders import EvalLoader, TrainLoader, dataset_size
 from .model_checks import check_freezing_spelled_right
 from .process_end import current, excepthook, exit_process
 from .process_setup import set_threads, use_deterministic_kernels
+from .same_model import CHECK_EVERY, SameModelCheck
 from .stop import FOR_WORKERS, StopSignal, Watchdog
+from .trainable import TrainableSincePrepare, average_gradients
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 T = TypeVar("T")
@@ -56,6 +58,7 @@ def init(
     threads: int = 0,
     malloc_tuning: str = "auto",
     deterministic: bool = False,
+    check_every: int = CHECK_EVERY,
 ) -> "Job":
     """Join the job this process was launched into and return its :class:`Job`.
 
@@ -66,7 +69,10 @@ def init(
     shared among local ranks). ``malloc_tuning``: auto or off (glibc heap settings).
     ``deterministic``: on GPUs, only kernels that give the same bits every run, so that
     two runs, or a run and its resume, agree bitwise (CPU kernels already do); some
-    GPU kernels are slower so.
+    GPU kernels are slower so. ``check_every``: every this many :meth:`Job.step` calls
+    the ranks check that they hold bitwise the same prepared models, as they also do at
+    each :meth:`Job.save` and each pass of an :meth:`Job.eval_loader` (0: only there);
+    a difference is one line naming the tensor, the ranks and the step.
     """
     sys.excepthook = excepthook  # from here on, bad input is one line
     if current.job is not None:
@@ -77,6 +83,7 @@ def init(
     env = detect_launch()
     if timeout <= 0:
         raise UserError(f"timeout must be positive (got {timeout})")
+    SameModelCheck.check_every_valid(check_every)
     threads = set_threads(threads, env)
     if deterministic:
         use_deterministic_kernels()
@@ -94,7 +101,7 @@ def init(
     watchdog.disarm()  # joined; from here on the job's calls arm it, each for its own wait
     # Again: torch's init_process_group wraps the hook with one that captures stderr.
     sys.excepthook = excepthook
-    job = current.job = Job(chosen, watchdog)
+    job = current.job = Job(chosen, watchdog, check_every)
     job.print(f"[trainbridge] threads per rank: {threads}; malloc {'tuned' if tuned else 'left as is'}: {why}")
     return job
 
@@ -106,7 +113,7 @@ class Job:
     None (:meth:`save` and :meth:`load` keep its loss scale for you).
     """
 
-    def __init__(self, backend: Backend, watchdog: Optional[Watchdog] = None) -> None:
+    def __init__(self, backend: Backend, watchdog: Optional[Watchdog] = None, check_every: int = CHECK_EVERY) -> None:
         self.backend = backend
         self.amp = "off"
         self.scaler: Optional[torch.amp.GradScaler] = None
@@ -115,6 +122,10 @@ class Job:
         self._writer = BackgroundWriter()
         self._prepared: List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]] = []
         self._steps = 0  # job.step calls in this process, for the watchdog's line
+        self._same_model = SameModelCheck(backend, check_every)
+        self._trainable: List[TrainableSincePrepare] = []  # per prepared model, what prepare averaged
+        self._accumulating: List[torch.nn.Module] = []  # models inside job.no_sync now
+        self._seed_per_rank_at_prepare: Optional[int] = None  # set_seed's seed, until the next prepare
 
     def _waiting(self, call: str):
         """Bound a wait for the other ranks by the timeout; the watchdog's line names ``call`` and the step."""
@@ -204,6 +215,10 @@ class Job:
         check_freezing_spelled_right(model)
         with self._waiting("job.prepare"):
             model, optimizer = self._prepare(model, optimizer, amp, exchange)
+        self._trainable.append(TrainableSincePrepare(self.unwrap(model), find_unused_parameters))
+        if self._seed_per_rank_at_prepare is not None:  # see set_seed
+            seed_everything(self._seed_per_rank_at_prepare + self.rank)
+            self._seed_per_rank_at_prepare = None
         self._prepared.append((model, optimizer))
         return model, optimizer
 
@@ -260,21 +275,42 @@ class Job:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])
 
-    def no_sync(self, model: torch.nn.Module, enabled: bool = True):
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
         """Forward and backward passes in this block only accumulate gradients locally (gradient accumulation).
 
         The first K-1 micro-batches of a step go here, forward and backward; the
         last one, outside, averages the sum over ranks: one allreduce per step.
         """
-        return self.backend.no_sync(model) if enabled else contextlib.nullcontext()
+        if not enabled:
+            yield
+            return
+        user_module = self.unwrap(model)
+        self._accumulating.append(user_module)
+        try:
+            with self.backend.no_sync(model):
+                yield
+        finally:
+            self._accumulating.remove(user_module)
 
     def backward(self, loss: torch.Tensor, **backward_options: Any) -> None:
         """``loss.backward()``, scaled first when amp is fp16; prepared models' gradients are averaged on return.
 
         ``backward_options`` go to ``Tensor.backward`` (``retain_graph=True``, ...).
         """
+        for trainable in self._trainable:
+            trainable.refuse_frozen_since()
         with self._waiting("job.backward (the gradient average)"):
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**backward_options)
+            # Parameters unfrozen after prepare are outside the backend's averaging (see api/trainable.py).
+            unfrozen = [
+                p
+                for trainable in self._trainable
+                if not any(trainable.model is m for m in self._accumulating)
+                for p in trainable.unfrozen_since()
+            ]
+            if unfrozen:
+                average_gradients(unfrozen, lambda flat: self.backend.allreduce(flat, "mean"))
 
     def clip_grad_norm_(self, model_or_parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (averaged) gradients to ``max_norm``; the total norm before clipping, the same on every rank.
@@ -300,18 +336,45 @@ class Job:
         with self._waiting("job.step"):
             self.backend.step(optimizer, self.scaler)
         self._steps += 1
+        if self._same_model.due(self._steps):
+            self._check_same_model(f"after step {self._steps}")
+
+    def _check_same_model(self, when: str, saved: Optional[Mapping[str, Any]] = None) -> None:
+        """The ranks' prepared models (and the modules in ``saved``) are bitwise alike, or one line (same_model.py)."""
+        modules: Dict[str, torch.nn.Module] = {}
+        named = {id(self.unwrap(v)): k for k, v in (saved or {}).items() if isinstance(v, torch.nn.Module)}
+        for n, trainable in enumerate(self._trainable):
+            kind = type(trainable.model).__name__
+            label = f"prepared model {n + 1} ({kind})" if len(self._trainable) > 1 else f"the prepared {kind}"
+            modules[f"job.save's {named[id(trainable.model)]!r}" if id(trainable.model) in named else label] = (
+                trainable.model
+            )
+        prepared = {id(t.model) for t in self._trainable}
+        for key, value in (saved or {}).items():
+            if isinstance(value, torch.nn.Module) and id(self.unwrap(value)) not in prepared:
+                modules[f"job.save's {key!r}"] = self.unwrap(value)
+        with self._waiting("the check that the ranks hold the same model"):
+            self._same_model.check(modules, when)
 
     def set_seed(self, seed: int, per_rank: bool = True) -> None:
         """Seed torch (CPU and CUDA), Python's ``random`` and numpy from ``seed``: ``seed + rank`` when ``per_rank``.
 
-        Per rank, dropout masks and noise differ between ranks, as they must (the
-        ranks train different samples). ``per_rank=False`` gives every rank the same
-        streams, e.g. to build the same data on every rank. :meth:`save` carries
-        these streams and :meth:`load` puts them back, so a resumed run draws the
-        same numbers. Initial weights need no care: :meth:`prepare` gives every
-        rank rank 0's.
+        Called before :meth:`prepare`, every rank draws from ``seed`` until the next
+        :meth:`prepare`, which then seeds each rank with ``seed + rank``: the model, its
+        copies (an EMA model) and anything else built before it are the same on every
+        rank, as in one process, while dropout masks and noise drawn in training differ
+        between ranks, as they must (the ranks train different samples). Called after a
+        :meth:`prepare`, it seeds ``seed + rank`` at once. ``per_rank=False`` gives every
+        rank the same streams throughout. :meth:`save` carries these streams and
+        :meth:`load` puts them back, so a resumed run draws the same numbers.
         """
-        seed_everything(seed + (self.rank if per_rank else 0))
+        if per_rank and self._trainable:
+            seed_everything(seed + self.rank)
+            return
+        # Until the next prepare, every rank draws the same numbers: the models, copies (an EMA)
+        # and data built before it are the same as in one process. From prepare on, per rank.
+        seed_everything(seed)
+        self._seed_per_rank_at_prepare = seed if per_rank else None
 
     # ----- data -----------------------------------------------------------------
     def train_loader(self, dataset, batch_size: int, seed: int = 0, **dataloader_options: Any) -> TrainLoader:
@@ -357,6 +420,7 @@ class Job:
             device=self.device,
             before_fork=self._before_fork,
             worker_wait=self._waiting_for_workers,
+            before_pass=lambda: self._check_same_model(f"at an evaluation, step {self._steps}"),
             **dataloader_options,
         )
 
@@ -500,6 +564,7 @@ class Job:
                 f"store yours under another name",
                 quiet=not self.is_main,
             )
+        self._check_same_model(f"at job.save({path!r}), step {self._steps}", saved=obj)  # before anything is written
         state = {key: self._state_of(value) for key, value in obj.items()}
         problem = unloadable_value(state)
         if problem is not None:

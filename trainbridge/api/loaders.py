@@ -260,7 +260,10 @@ class TrainLoader:
 
 
 class EvalLoader:
-    """Batches of this rank's unpadded evaluation shard (indices rank, rank + world_size, ...), on ``device``."""
+    """Batches of this rank's unpadded evaluation shard (indices rank, rank + world_size, ...), on ``device``.
+
+    ``before_pass`` runs at the start of every pass (the job's check that the ranks hold the same model).
+    """
 
     def __init__(
         self,
@@ -272,10 +275,12 @@ class EvalLoader:
         device: torch.device,
         before_fork: Callable[[], None] = lambda: None,
         worker_wait: Callable[[str], ContextManager] = NO_WAIT_BOUND,
+        before_pass: Callable[[], None] = lambda: None,
         **dataloader_options: Any,
     ) -> None:
         self.before_fork = before_fork
         self.worker_wait = worker_wait
+        self.before_pass = before_pass
         size = dataset_size(dataset, "eval_loader")
         dataloader_options = _refuse(dataloader_options, EVAL_REFUSALS, "eval_loader")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -292,6 +297,7 @@ class EvalLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        self.before_pass()
         if self._worker_setup is None:  # no workers
             return (to_device(batch, self.device) for batch in self.loader)
         self.before_fork()  # every pass forks its workers

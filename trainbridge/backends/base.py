@@ -202,6 +202,14 @@ class Backend(abc.ABC):
         for buffer in model.buffers():
             self.broadcast_(buffer, src=0)
 
+    def same_on_every_rank(self, tensor: torch.Tensor) -> bool:
+        """Whether every rank holds the same integer ``tensor``: one small allreduce, the same answer everywhere.
+
+        The maximum of ``[t, -t]`` over the ranks is ``[max t, -min t]``: equal halves mean equal tensors.
+        """
+        top = self.allreduce(torch.cat([tensor, -tensor]), "max")
+        return torch.equal(top[: tensor.numel()], -top[tensor.numel() :])
+
     def check_same_on_every_rank(self, what: str, value: Any, fix: str) -> None:
         """One line on every rank, naming the ranks and their values, when ``value`` differs between ranks.
 

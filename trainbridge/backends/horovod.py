@@ -287,6 +287,9 @@ class HorovodBackend(Backend):
         if not self.elastic:  # no collectives outside hvd.elastic.run (see wrap)
             super().check_same_on_every_rank(what, value, fix)
 
+    def same_on_every_rank(self, tensor: torch.Tensor) -> bool:
+        return self.elastic or super().same_on_every_rank(tensor)  # no collectives outside hvd.elastic.run
+
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         if self.elastic:  # no barrier outside hvd.elastic.run (see wrap)

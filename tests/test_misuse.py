@@ -47,6 +47,8 @@ ONE_PROCESS = {
     "save-lambda": r"\['extra'\] holds a builtins\.function",
     "batch-size-float": r"batch_size must be a whole number of at least 1 \(got 2\.5\)",
     "load-other-model": r"ckpt\.pt's 'model' is for another model: .*shape mismatches: 0\.weight",
+    "frozen-after-prepare": r"job\.backward: 0\.weight, 0\.bias of the prepared model stopped requiring gradients "
+                            r"after job\.prepare.*find_unused_parameters=True to job\.prepare \[after 1 step",
 }
 
 
@@ -92,6 +94,13 @@ RANK_DIVERGENT = {
     "allreduce-dtype": r"job\.allreduce's tensor: the ranks disagree at \['dtype'\] "
                        r"\(rank 0: 'torch\.float32'; rank 1: 'torch\.int32'\)",
     "allreduce-shape": r"the ranks disagree at \['shape'\] \(rank 0: \(3,\); rank 1: \(4,\)\)",
+    # Refused before anything is written (test_rank_divergent_inputs_name_the_ranks_and_values checks the folder).
+    "copy-before-prepare": r"the ranks hold different models at job\.save\(.*ckpt\.pt'\), step \d+: '0\.weight' of "
+                           r"job\.save's 'ema' differs \(rank 0 vs rank 1\); .*copy it after prepare",
+    # Last: the job goes on to the next mode with this diverged model among its prepared ones.
+    # Named within one check period (misuse.CHECK_EVERY = 4 steps), whatever the job's step count was.
+    "diverged-weight": r"the ranks hold different models after step \d+: '2\.weight' of prepared model \d+ "
+                       r"\(Sequential\) differs \(rank 0 vs rank 1\).* \[after [1-4] step\(s\) of this mode\]$",
 }
 
 
@@ -104,9 +113,21 @@ def test_rank_divergent_inputs_name_the_ranks_and_values(tmp_path):
                         *RANK_DIVERGENT], timeout=180))
     for mode, pattern in RANK_DIVERGENT.items():
         said_in_turn(result, mode, pattern)
+    assert list((tmp_path / "copy-before-prepare").iterdir()) == []
     # Said at once, not by the watchdog after the script's 60 s timeout, and not as a dead rank.
     assert time.monotonic() - started < 60
     assert "another rank" not in result.stdout + result.stderr
+
+
+@pytest.mark.matrix
+def test_models_that_differ_between_ranks_are_named_under_horovod(tmp_path):
+    # The check's allreduce and its naming of the tensor on the Horovod backend (make test: under torchrun above).
+    modes = ["copy-before-prepare", "diverged-weight"]
+    result = check(run([HOROVODRUN, "-np", "2", "--gloo", PYTHON, SCRIPT, "each", str(tmp_path), *modes],
+                       timeout=120))
+    result.stdout = re.sub(r"(?m)^\[\d+\]<stdout>:", "", result.stdout)  # horovodrun's prefix
+    for mode in modes:
+        said_in_turn(result, mode, RANK_DIVERGENT[mode])
 
 
 def test_a_rank_divergent_input_under_torchrun_ends_the_job_in_one_line(tmp_path):

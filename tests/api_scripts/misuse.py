@@ -1,10 +1,12 @@
 """Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
 
 Rank-divergent inputs (run under a launcher with 2 ranks):
-    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape
+    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape,
+    diverged-weight (a weight nudged on rank 1 after prepare; the job checks every CHECK_EVERY steps),
+    copy-before-prepare (an EMA copy of per-rank initial weights, given to job.save)
 Misuse in one process:
     init-twice, prepare-twice, save-not-a-dict, save-rng-key, save-numpy, save-namespace,
-    save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model
+    save-namedtuple, save-path, save-lambda, batch-size-float, load-other-model, frozen-after-prepare
 "MODE OUT": that mistake, left to end the job (tb.init's one line); prints "no error" if it went through.
 "each OUT MODE...": those modes one after the other in one job, each in a folder OUT/MODE of its own; each
     UserError is caught and printed by rank 0 as "MODE: <its message>" (the job goes on to the next),
@@ -12,6 +14,7 @@ Misuse in one process:
 """
 import argparse
 import collections
+import copy
 import os
 import pathlib
 import sys
@@ -23,8 +26,11 @@ from torch import nn
 import trainbridge as tb
 
 
+CHECK_EVERY = 4
+
+
 def main(mode: str, out: str, *modes: str) -> None:
-    job = tb.init(timeout=60)
+    job = tb.init(timeout=60, check_every=CHECK_EVERY)
     if mode != "each":
         misuse(job, mode, out)
         job.print("no error")
@@ -46,7 +52,9 @@ def misuse(job: tb.Job, mode: str, out: str) -> None:
     rank = job.rank
     data = torch.utils.data.TensorDataset(torch.randn(1000 + (rank if mode == "dataset-size" else 0), 4))
     hidden = 8 + (rank if mode == "shapes" else 0)
+    torch.manual_seed(rank)  # each rank its own initial weights: prepare gives every rank rank 0's
     model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    ema = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1 if mode == "lr" else 1))
     if mode == "optimizer" and rank == 1:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -73,6 +81,21 @@ def misuse(job: tb.Job, mode: str, out: str) -> None:
         job.save(model, path)
     if mode == "save-rng-key":
         job.save({"model": model, "rng": 1}, path)
+    if mode == "copy-before-prepare":
+        job.save({"model": model, "ema": ema}, path)
+    if mode == "frozen-after-prepare":
+        job.unwrap(model)[0].requires_grad_(False)
+    if mode in ("diverged-weight", "frozen-after-prepare"):
+        if rank == 1 and mode == "diverged-weight":
+            with torch.no_grad():
+                job.unwrap(model)[2].weight[1, 3] += 1e-6  # a few float32 ulps
+        for step, (x,) in enumerate(loader, start=1):
+            optimizer.zero_grad()
+            try:
+                job.backward(model(x).square().mean())
+                job.step(optimizer)
+            except tb.UserError as error:
+                raise tb.UserError(f"{error} [after {step} step(s) of this mode]") from None
     if mode == "load-other-model":
         job.save({"model": model, "loader": loader}, path)
         other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))

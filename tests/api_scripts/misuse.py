@@ -25,7 +25,6 @@ from torch import nn
 
 import trainbridge as tb
 
-
 CHECK_EVERY = 4
 
 

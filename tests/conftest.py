@@ -329,6 +329,7 @@ COSTLIEST_FIRST = [
     "tests/test_api.py",
     "tests/test_shm_allreduce.py",
     "tests/test_real_programs.py",
+    "tests/test_same_model.py",
     "tests/test_misuse.py",
     "tests/test_bad_input_sweep.py",
     "tests/test_resume_errors.py",

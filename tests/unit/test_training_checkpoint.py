@@ -68,7 +68,68 @@ def test_auto_moves_a_corrupt_last_aside_says_so_and_takes_previous(tmp_path):
     assert path == str(tmp_path / "previous.pt") and checkpoint["step"] == 4
     assert sorted(os.listdir(tmp_path)) == ["last.pt.corrupt", "previous.pt"]
     assert len(notes) == 1 and "last.pt is corrupt or truncated" in notes[0]
-    assert f"moved it to {tmp_path / 'last.pt.corrupt'}; trying the previous checkpoint" in notes[0]
+    assert notes[0].endswith(f"moved it to {tmp_path / 'last.pt.corrupt'}; resuming from {path} instead")
+
+
+def test_a_file_set_aside_earlier_is_never_overwritten_by_the_next(tmp_path):
+    write_corrupt(tmp_path / "last.pt.corrupt")
+    (tmp_path / "last.pt.corrupt.2").write_bytes(b"second")
+    write_checkpoint(tmp_path / "last.pt", 5)
+    data = (tmp_path / "last.pt").read_bytes()
+    (tmp_path / "last.pt").write_bytes(data[: len(data) // 2])
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    notes = Notes()
+    assert choose_resume("auto", str(tmp_path), notes)[1]["step"] == 4
+    assert (tmp_path / "last.pt.corrupt").read_bytes() == b"PK\x03\x04 not a whole zip"
+    assert (tmp_path / "last.pt.corrupt.2").read_bytes() == b"second"
+    assert (tmp_path / "last.pt.corrupt.3").read_bytes() == data[: len(data) // 2]
+    assert notes[0].endswith(f"moved it to {tmp_path / 'last.pt.corrupt.3'}; resuming from "
+                             f"{tmp_path / 'previous.pt'} instead")
+
+
+# The process runs out of file descriptors (EMFILE) just before choose_resume; with {release}, a thread
+# closes some of them 0.1 s later, as a passing shortage ends.
+OUT_OF_DESCRIPTORS = """
+    import os, resource, threading
+    from trainbridge.errors import UserError
+    from trainbridge.training.checkpoint import choose_resume
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    if {release}:
+        threading.Timer(0.1, lambda: [os.close(fd) for fd in held[:8]]).start()
+    try:
+        path, checkpoint = choose_resume("auto", {directory!r}, note=print)
+        print("resumed", path, checkpoint["step"])
+    except UserError as exc:
+        print("error", exc)
+"""
+
+
+def test_a_read_that_fails_for_a_passing_reason_moves_nothing_and_is_one_line(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 5)
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    before = {name: (tmp_path / name).read_bytes() for name in ("last.pt", "previous.pt")}
+    result = run_python(OUT_OF_DESCRIPTORS.format(directory=str(tmp_path), release=False))
+    assert result.returncode == 0, result
+    assert result.stdout.strip() == (
+        f"error cannot read the checkpoint {tmp_path / 'last.pt'} (Too many open files; tried 3 times); it is left "
+        f"where it is, nothing was moved; close files this process holds open or raise the open-file limit "
+        f"(ulimit -n), then try again"), result.stdout
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_a_passing_read_error_that_clears_is_retried(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 5)
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    result = run_python(OUT_OF_DESCRIPTORS.format(directory=str(tmp_path), release=True))
+    assert result.returncode == 0, result
+    assert result.stdout.strip() == f"resumed {tmp_path / 'last.pt'} 5", result.stdout
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "previous.pt"]
 
 
 def test_auto_with_every_file_corrupt_is_one_line_and_moves_both_aside(tmp_path):

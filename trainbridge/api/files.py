@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import time
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -111,6 +112,11 @@ def _raise_why_not_written(path: str, exc: BaseException) -> None:
         ) from exc
 
 
+# Seconds before each new try of a read that failed for a passing reason (a descriptor limit, a
+# network file system's hiccup): such a file is never called corrupt, whatever the outcome.
+READ_RETRY_DELAYS = (0.2, 1.0)
+
+
 def read_file(
     path: str,
     map_location: Any = "cpu",
@@ -118,12 +124,65 @@ def read_file(
     corrupt: str = "delete it or load another file",
 ) -> Any:
     """``torch.load(path, weights_only=True)``; a missing or unreadable file is one UserError line
-    ending in ``missing`` or ``corrupt`` (what to do about it)."""
+    ending in ``missing`` or ``corrupt`` (what to do about it).
+
+    Only a file whose bytes are bad raises :class:`CorruptCheckpoint`. A read that fails for a
+    reason outside the file (too many open files, EIO, ENOMEM, a stale NFS handle) is tried
+    again, and then raises a plain UserError: a caller sets nothing aside because of it.
+    """
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist; {missing}")
+    delays = list(READ_RETRY_DELAYS)
+    while True:
+        try:
+            return _load(path, map_location, corrupt)
+        except _PassingReadError as exc:
+            if isinstance(exc.cause, FileNotFoundError):  # removed since the check above
+                raise UserError(f"checkpoint {path} does not exist; {missing}") from None
+            if not delays:
+                raise UserError(
+                    f"cannot read the checkpoint {path} ({exc.why}; tried {len(READ_RETRY_DELAYS) + 1} times); "
+                    f"it is left where it is, nothing was moved; {exc.fix}, then try again"
+                ) from exc.cause
+            time.sleep(delays.pop(0))
+
+
+class _PassingReadError(Exception):
+    """A read that failed because of this process or the file system, not because of the file's bytes."""
+
+    def __init__(self, cause: BaseException, path: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.why = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+        number = getattr(cause, "errno", None)
+        if number in (errno.EMFILE, errno.ENFILE):
+            self.fix = "close files this process holds open or raise the open-file limit (ulimit -n)"
+        elif number == errno.ENOMEM or isinstance(cause, MemoryError):
+            self.fix = "free memory"
+        else:
+            self.fix = f"check the file system that holds {os.path.dirname(os.path.abspath(path))}"
+
+
+def _passing_cause(exc: BaseException) -> Optional[BaseException]:
+    """The OSError or MemoryError behind ``exc`` (torch wraps a failed read of its file object), if any."""
+    seen = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (OSError, MemoryError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _load(path: str, map_location: Any, corrupt: str) -> Any:
+    """One try of :func:`read_file`; :class:`_PassingReadError` for a failure outside the file's bytes."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
+        passing = _passing_cause(exc)
+        if passing is not None:
+            raise _PassingReadError(passing, path) from exc
         if "Weights only load failed" in str(exc):  # readable, but holds a type outside the allow-list
             refused = next(
                 (line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),

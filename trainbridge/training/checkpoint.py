@@ -13,7 +13,11 @@ during the write leaves the old file intact. On top of that, the engine's contra
 * Everything is loaded with ``torch.load(..., weights_only=True)``: checkpoints
   hold only tensors, numbers, strings, lists and dicts, never pickled code.
 * A corrupt file is never overwritten silently: with ``--resume auto`` it is moved
-  aside to ``<name>.corrupt`` (and the run says so) before ``previous.pt`` is tried.
+  aside to ``<name>.corrupt`` (``.corrupt.2``, ... when that name is taken: nothing set
+  aside is overwritten) before ``previous.pt`` is tried, and the run says which file it
+  resumed from instead. Only bytes that prove a file bad move it: a read that fails for
+  a passing reason (too many open files, EIO, ENOMEM, a stale NFS handle) is tried again
+  and then stops the run with one line, every file left where it is.
 * A write that fails (a full disk, a quota, a file size limit, a read-only place)
   removes its temporary file and stops the run with one line naming the file, the
   reason and the fix; the checkpoints already there are untouched.
@@ -135,26 +139,40 @@ def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> 
     if resume != "auto":
         return resume, read_checkpoint(resume)
     candidates = [os.path.join(output_dir, name) for name in (LAST, PREVIOUS)]
-    found_corrupt = []
+    set_aside: Dict[str, str] = {}  # each bad file's line, said once the outcome is known
     for path in candidates:
         if not os.path.exists(path):
             continue
         try:
-            return path, read_checkpoint(path)
-        except CorruptCheckpoint as exc:  # only an unreadable file; a readable one is never moved
-            aside = path + ".corrupt"
-            try:
-                os.replace(path, aside)
-            except FileNotFoundError:  # another process moved it first
-                pass
-            found_corrupt.append(path)
-            note(f"[trainbridge] {exc}; moved it to {aside}; trying the previous checkpoint")
-    if found_corrupt:
+            checkpoint = read_checkpoint(path)
+        except CorruptCheckpoint as exc:  # only bytes proven bad; a readable file, or a failed read, is never moved
+            set_aside[path] = f"{exc}; moved it to {move_aside(path)}"
+            continue
+        for line in set_aside.values():
+            note(f"[trainbridge] {line}; resuming from {path} instead")
+        return path, checkpoint
+    if set_aside:
+        for line in set_aside.values():
+            note(f"[trainbridge] {line}")
         raise UserError(
-            f"no loadable checkpoint in {output_dir}: {', '.join(found_corrupt)} corrupt (moved aside "
-            f"as *.corrupt); use --resume never to start over"
+            f"no loadable checkpoint in {output_dir}: {', '.join(set_aside)} "
+            f"corrupt (moved aside as *.corrupt); use --resume never to start over"
         )
     return None, None
+
+
+def move_aside(path: str) -> str:
+    """Rename a corrupt ``path`` to ``<path>.corrupt`` (``.corrupt.2``, ... when taken: nothing set aside is
+    overwritten); the new name."""
+    aside, number = path + ".corrupt", 1
+    while os.path.lexists(aside):  # the output directory is this job's alone (its lock): no race
+        number += 1
+        aside = f"{path}.corrupt.{number}"
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another process moved it first
+        pass
+    return aside
 
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
@@ -170,7 +188,7 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], pat
 
 # What a run writes in --output-dir (fault-injection markers stay: they belong to the run being restarted).
 RUN_FILES = (LAST, PREVIOUS, BEST, "final.pt", "metrics.jsonl")
-RUN_FILE_PATTERNS = ("report_*.json", "confusion_*.png", "*.pt.corrupt")
+RUN_FILE_PATTERNS = ("report_*.json", "confusion_*.png", "*.pt.corrupt", "*.pt.corrupt.*")
 
 
 def set_aside_previous_run(output_dir: str, note: Callable[[str], None]) -> Optional[str]:

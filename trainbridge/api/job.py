@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optio
 import torch
 
 from ..backends import Backend, GradientExchange, create_backend
+from ..backends.sync_batchnorm import synchronize_batchnorm
 from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
@@ -181,6 +182,7 @@ class Job:
         compression: str = "none",
         shm_allreduce: str = "auto",
         find_unused_parameters: bool = False,
+        sync_batchnorm: bool = False,
     ):
         """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks.
 
@@ -199,6 +201,13 @@ class Job:
         shared memory instead of gloo (torch backend). ``find_unused_parameters``:
         allow backward passes that reach only some of the model's parameters (a
         branch some ranks take); those no rank used keep their gradient.
+
+        ``sync_batchnorm``: every BatchNorm layer normalises a training batch with the
+        statistics of the whole global batch, the same at any world size (two small
+        allreduces per layer per forward and per backward). Without it, BatchNorm takes
+        each rank's own share of the batch (the model depends on the world size) and each
+        rank keeps its own running statistics (rank 0's are saved). A ``SyncBatchNorm``
+        already in the model (torch's, Horovod's) is synchronized on every backend either way.
         """
         exchange = GradientExchange(
             compression=compression,
@@ -214,7 +223,7 @@ class Job:
             )
         check_freezing_spelled_right(model)
         with self._waiting("job.prepare"):
-            model, optimizer = self._prepare(model, optimizer, amp, exchange)
+            model, optimizer = self._prepare(model, optimizer, amp, exchange, sync_batchnorm)
         self._trainable.append(TrainableSincePrepare(self.unwrap(model), find_unused_parameters))
         if self._seed_per_rank_at_prepare is not None:  # see set_seed
             seed_everything(self._seed_per_rank_at_prepare + self.rank)
@@ -223,7 +232,12 @@ class Job:
         return model, optimizer
 
     def _prepare(
-        self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], amp: str, exchange: GradientExchange
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        amp: str,
+        exchange: GradientExchange,
+        sync_batchnorm: bool = False,
     ):
         self.backend.check_same_on_every_rank(
             "the model's parameters",
@@ -247,8 +261,10 @@ class Job:
                 "compression": exchange.compression,
                 "shm_allreduce": exchange.shm_allreduce,
                 "find_unused_parameters": exchange.find_unused_parameters,
+                "sync_batchnorm": sync_batchnorm,
             },
-            "pass the same amp, compression, shm_allreduce and find_unused_parameters to job.prepare on every rank",
+            "pass the same amp, compression, shm_allreduce, find_unused_parameters and sync_batchnorm to "
+            "job.prepare on every rank",
         )
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
@@ -263,6 +279,9 @@ class Job:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         if amp == "fp16" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
+        # Before the backend wraps the model (DDP registers the modules it is given): BatchNorm layers that
+        # sum their statistics over the ranks, all of them with sync_batchnorm, else those meant to.
+        model = synchronize_batchnorm(model, self.backend.differentiable_sum, every_batchnorm=sync_batchnorm)
         return self.backend.wrap(model.to(self.device), optimizer, exchange)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -178,6 +178,12 @@ class Backend(abc.ABC):
         return lambda: result
 
     @abc.abstractmethod
+    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, inside autograd: the gradient flowing back into ``tensor`` is the
+        sum over the ranks of the result's gradient (synchronized BatchNorm's statistics,
+        :mod:`trainbridge.backends.sync_batchnorm`). Every rank calls it, in the same order."""
+
+    @abc.abstractmethod
     def allgather_object(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, in rank order."""
 

@@ -212,6 +212,10 @@ class HorovodBackend(Backend):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.hvd.allreduce(tensor.detach(), op=self._op(op))
 
+    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        # horovod.torch's allreduce (not allreduce_) is an autograd function whose backward allreduces the gradient.
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
     def _op(self, op: str):
         assert op in REDUCE_OPS, op
         return {"sum": self.hvd.Sum, "mean": self.hvd.Average, "max": self.hvd.Max}[op]

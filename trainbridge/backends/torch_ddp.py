@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -253,6 +254,14 @@ class TorchBackend(Backend):
             return out / self.world_size if op == "mean" else out
 
         return wait
+
+    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        # torch.distributed's functional all_reduce has a backward (it allreduces the gradient), on gloo and nccl,
+        # and torch.compile traces it.
+        world = dist.group.WORLD
+        assert world is not None  # init() joined it
+        summed = functional_collectives.all_reduce(tensor, "sum", world)
+        return functional_collectives.wait_tensor(summed)
 
     def allgather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size

@@ -4,8 +4,10 @@ import argparse
 import collections
 import os
 import pathlib
+import struct
 import threading
 import time
+import zipfile
 
 import numpy
 import pytest
@@ -139,6 +141,41 @@ def test_read_file_tells_a_truncated_file_from_one_holding_a_refused_type(tmp_pa
     with pytest.raises(UserError, match="is intact but holds a value torch.load") as refused:
         read_file(str(tmp_path / "namespace.pt"))
     assert not isinstance(refused.value, CorruptCheckpoint)  # never set aside as corrupt
+
+
+def flip_bit(path, record: str, byte: int = 0, bit: int = 0) -> None:
+    """Flip one bit of the zip record whose name ends with ``record`` (a tensor's bytes: ``data/0``) in place."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)  # the local header's name and extra-field lengths
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_length + extra_length + byte)
+        value = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([value ^ (1 << bit)]))
+
+
+@pytest.mark.parametrize("bit", [0, 30], ids=["mantissa", "exponent"])
+def test_a_bit_flipped_in_a_tensor_is_found_before_the_file_is_used(tmp_path, bit):
+    path = tmp_path / "last.pt"
+    atomic_save(saved(2), str(path))
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None  # every record carries its CRC-32: unzip -t passes
+    flip_bit(path, "data/0", byte=bit // 8, bit=bit % 8)
+    assert not torch.equal(torch.load(path, weights_only=True)["weights"], saved(2)["weights"])  # torch sees nothing
+    with pytest.raises(CorruptCheckpoint, match=r"last\.pt is corrupt: its record archive/data/0 does not match the "
+                                                r"CRC-32 written with it \(a bit changed on disk or in transit\); "
+                                                r"delete it or load another file"):
+        read_file(str(path))
+
+
+def test_a_file_without_crcs_from_an_earlier_release_still_loads(tmp_path):
+    from torch.utils.serialization import config
+
+    with config.patch({"save.compute_crc32": False}):
+        torch.save(saved(3), tmp_path / "old.pt")
+    assert read_file(str(tmp_path / "old.pt"))["step"] == 3
 
 
 # ----- BackgroundWriter -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 from python_child import run_python
+from test_api_files import flip_bit
 
 from trainbridge.api.files import atomic_save
 from trainbridge.errors import UserError
@@ -85,6 +86,19 @@ def test_a_file_set_aside_earlier_is_never_overwritten_by_the_next(tmp_path):
     assert (tmp_path / "last.pt.corrupt.3").read_bytes() == data[: len(data) // 2]
     assert notes[0].endswith(f"moved it to {tmp_path / 'last.pt.corrupt.3'}; resuming from "
                              f"{tmp_path / 'previous.pt'} instead")
+
+
+def test_a_bit_flipped_in_last_resumes_from_previous_and_names_both(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 5)
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    flip_bit(tmp_path / "last.pt", "data/0", byte=3, bit=6)  # the first weight's exponent: 5.0 becomes 1.7e38
+    notes = Notes()
+    path, checkpoint = choose_resume("auto", str(tmp_path), notes)
+    assert path == str(tmp_path / "previous.pt") and checkpoint["step"] == 4
+    assert notes == [f"[trainbridge] checkpoint {tmp_path / 'last.pt'} is corrupt: its record archive/data/0 does not "
+                     f"match the CRC-32 written with it (a bit changed on disk or in transit); delete it or pass "
+                     f"--resume with another file; moved it to {tmp_path / 'last.pt.corrupt'}; resuming from "
+                     f"{tmp_path / 'previous.pt'} instead"]
 
 
 # The process runs out of file descriptors (EMFILE) just before choose_resume; with {release}, a thread

@@ -11,7 +11,9 @@ was, and raises one UserError line naming the path, the cause and the fix.
 A background write (:class:`BackgroundWriter`) keeps every one of these rules; only
 the copy of the state to host memory stays on the training path. The writes themselves
 are :mod:`trainbridge.runtime.atomic_files`' (``hvd.elastic``'s commit file uses them too);
-this module words their errors for the user and reads the files back.
+this module words their errors for the user and reads the files back. Every file carries
+its zip CRC-32s and every read checks them first, so a bit flipped on disk is found
+before anything trains on it; the files still load with plain ``torch.load``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ ELSEWHERE = "save to another folder"
 
 
 class CorruptCheckpoint(UserError):
-    """A checkpoint file that cannot be read at all (truncated, not a torch file): the only kind set aside."""
+    """A checkpoint file whose bytes are bad (truncated, not a torch file, failing its CRC-32): the only kind
+    set aside."""
 
 
 def state_mismatch(model: torch.nn.Module, state: Dict[str, Any]) -> Optional[str]:
@@ -178,7 +181,9 @@ def _passing_cause(exc: BaseException) -> Optional[BaseException]:
 def _load(path: str, map_location: Any, corrupt: str) -> Any:
     """One try of :func:`read_file`; :class:`_PassingReadError` for a failure outside the file's bytes."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        changed = atomic_files.checksum_error(path)  # before torch.load, which never checks the CRC-32s
+        if changed is None:
+            return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, ... all mean "unreadable"
         passing = _passing_cause(exc)
         if passing is not None:
@@ -196,6 +201,7 @@ def _load(path: str, map_location: Any, corrupt: str) -> Any:
         raise CorruptCheckpoint(
             f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: {first_line(exc)}); {corrupt}"
         ) from None
+    raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {changed} (a bit changed on disk or in transit); {corrupt}")
 
 
 def save_all(obj: Dict[str, Any], paths: Sequence[str], keep_previous: Optional[str] = None) -> None:

@@ -7,7 +7,8 @@ survives a power loss. The temporary name is this writer's own, so two writers o
 path (two threads, two jobs) never write into or rename each other's file: the last
 rename wins, whole. A write that fails removes its temporary file, leaves the path as it
 was and raises the error as it is (an ``OSError`` for a full disk, not torch's opaque
-``RuntimeError``); the callers word it for their users.
+``RuntimeError``); the callers word it for their users. Every record of the zip gets its
+CRC-32, which :func:`checksum_error` checks when the file is read back.
 
 Used by the public API's checkpoints (:mod:`trainbridge.api.files`, which turns errors into
 one line naming the fix) and by ``hvd.elastic``'s commit file.
@@ -21,6 +22,7 @@ import os
 import shutil
 import socket
 import threading
+import zipfile
 from typing import Any, Callable, Optional
 
 import torch
@@ -86,10 +88,11 @@ def save_atomically(obj: Any, path: str, keep_previous: Optional[str] = None) ->
         os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
             sink = _WriteErrors(f)
-            # torch.load never checks the zip's CRC-32s, and computing them is a third of a save's CPU time.
+            # Every record gets its zip CRC-32 (torch.load never checks them; checksum_error does), even
+            # where a script turned them off: a flipped bit must be found before a resume trains on it.
             # patch() is added at import by torch's install_config_module, which the stubs do not see;
             # torch.save writes to any object with write() and flush(), the stubs say IO[bytes].
-            with _serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
+            with _serialization_config.patch({"save.compute_crc32": True}):  # type: ignore[attr-defined]
                 torch.save(obj, sink)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
@@ -102,6 +105,33 @@ def save_atomically(obj: Any, path: str, keep_previous: Optional[str] = None) ->
             raise sink.error from exc
         raise
     fsync_dir(directory)
+
+
+def checksum_error(path: str) -> Optional[str]:
+    """What in ``path`` fails its zip CRC-32 (a bit flipped on disk or in transit), or None.
+
+    Reads every record of a torch zip file; :mod:`zipfile` compares each with the CRC-32 written
+    with it. A file that is not a zip (torch's legacy format) or whose records carry no CRC-32 at
+    all (written with ``compute_crc32`` off, as earlier releases of trainbridge did) cannot be
+    checked: None. A zip whose structure is broken raises ``zipfile.BadZipFile``; a failed read
+    raises its ``OSError``.
+    """
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as archive:
+        records = archive.infolist()
+        if all(record.CRC == 0 for record in records):
+            return None
+        for record in records:
+            try:
+                with archive.open(record) as data:
+                    while data.read(1 << 20):
+                        pass
+            except zipfile.BadZipFile as exc:
+                if "CRC-32" not in str(exc):  # a broken structure, not a changed byte
+                    raise
+                return f"its record {record.filename} does not match the CRC-32 written with it"
+    return None
 
 
 def copy_atomically(source: str, path: str) -> None:

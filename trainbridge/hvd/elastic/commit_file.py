@@ -49,7 +49,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ...runtime.atomic_files import BackgroundWriter, leftover_temporary_files, save_atomically
+from ...runtime.atomic_files import BackgroundWriter, checksum_error, leftover_temporary_files, save_atomically
 from .plain_values import from_plain, to_plain
 
 SHARED_RUN_ID = "none"  # torchrun's default --rdzv-id (static rendezvous): every such job has it
@@ -163,6 +163,10 @@ writer = CommitWriter()
 
 def _read(path: str) -> Optional[dict]:
     if not os.path.exists(path):
+        return None
+    changed = checksum_error(path)  # a flipped bit must not be broadcast to every rank as the state
+    if changed is not None:
+        print(f"hvd.elastic: ignoring {path}: {changed}; starting from the initial state", flush=True)
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
 

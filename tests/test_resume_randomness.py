@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TORCHRUN, Job, bitwise_equal, check, load_final, max_abs_diff, run, torchrun
+from conftest import TORCHRUN, Job, bitwise_equal, check, load_final, max_abs_diff, run, torchrun, train_here
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "random_loop.py")
 STEPS = 120  # 6 epochs of 1230 // 60 = 20 steps (30 samples are left out of each epoch)
@@ -164,3 +164,15 @@ def test_train_convnet_dropout_sigterm_then_relaunch_resumes_bitwise(tmp_path, c
     assert f"step {stops[0]}" in result.stdout and "resuming from" in result.stdout
     final = load_final(tmp_path)
     assert final["step"] == CLI_STEPS and bitwise_equal(final["model"], cli_reference)
+
+
+def test_a_run_ended_by_max_steps_resumes_with_a_larger_one_bitwise(tmp_path):
+    """The evaluation at the end of the shorter run draws nothing from dropout's stream before last.pt stores it."""
+    args = ["--model", "convnet-dropout", "--dataset", "mnist-sample", "--seed", "5", "--batch-size", "16",
+            "--threads", "1", "--no-progress"]
+    check(train_here(args + ["--max-steps", "6", "--output-dir", str(tmp_path / "whole")]))
+    check(train_here(args + ["--max-steps", "3", "--output-dir", str(tmp_path / "parts")]))
+    resumed = check(train_here(args + ["--max-steps", "6", "--output-dir", str(tmp_path / "parts")]))
+    assert "epoch 1, sample 48 of the epoch, step 3" in resumed.stdout, resumed.stdout
+    whole, parts = load_final(tmp_path / "whole")["model"], load_final(tmp_path / "parts")["model"]
+    assert bitwise_equal(parts, whole), max_abs_diff(parts, whole)

@@ -201,6 +201,17 @@ def test_the_eval_loader_gives_every_sample_once(job):
     assert [batch[0].tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_evaluation_draws_nothing_from_the_global_random_stream(job, workers):
+    loader = job.eval_loader(TensorDataset(torch.arange(10)), batch_size=4, num_workers=workers)
+    torch.manual_seed(3)
+    for _ in loader:  # iter() of a DataLoader takes its workers' base seed from a generator
+        pass
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(3))  # dropout's next masks are the ones it would draw without evaluating
+
+
 # ----- stopping ---------------------------------------------------------------------------------
 def test_should_stop_agrees_one_step_after_sigterm(job, monkeypatch):
     def refuse(pid, signum):  # a handler that would kill pytest raises instead

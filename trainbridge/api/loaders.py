@@ -289,6 +289,10 @@ class EvalLoader:
         shard = Subset(dataset, range(rank, size, world_size))
         options = _loader_options(dataset, device, dict(dataloader_options))
         options.pop("persistent_workers", None)
+        # Evaluation draws nothing from the global stream that dropout and augmentation use: iter() takes
+        # its workers' base seed from this generator, so a run continues as if it had not evaluated (and
+        # a checkpoint written after an evaluation resumes bitwise).
+        options.setdefault("generator", torch.Generator())
         self._worker_setup = with_worker_setup(options)
         self.loader = DataLoader(shard, batch_size=batch_size, shuffle=False, **options)
 

@@ -1,15 +1,23 @@
 """Horovod's elastic MNIST pattern (examples/elastic/pytorch/pytorch_mnist_elastic.py) under torchrun restarts.
 
-Run with ``torchrun --max-restarts 1``. With ``--crash-at-batch B`` rank 1 dies hard
-(os._exit) at batch B of epoch 1 in the first attempt; torchrun restarts both workers,
-which must resume from the last ``state.commit()``. Lines for the test:
+Run with ``torchrun --max-restarts 1``. With ``--crash-at-batch B`` rank 1 is SIGKILLed at
+batch B of epoch 1 in the first attempt; torchrun restarts both workers, which must resume
+from the last ``state.commit()``. The optimizer has momentum and weight decay, so the
+restarted ranks hold equal weights only if ``state.sync()`` leaves both the weights and the
+optimizer state as rank 0's. Lines for the test:
 
     COMMIT attempt=<n> epoch=<e> batch=<b>     rank 0, after each commit
-    START attempt=<n> epoch=<e> batch=<b>      every rank, when the training function starts
-    DONE rank=<r> checksum=<float> accuracy=<float>
+    START attempt=<n> rank=<r> epoch=<e> batch=<b> state=<digest>
+                                               every rank, when the training function starts (after the sync)
+    DONE rank=<r> checksum=<float> accuracy=<float> state=<digest>
+
+``<digest>`` is a SHA-256 of the bytes of every parameter and every optimizer state value.
 """
 import argparse
+import hashlib
 import os
+import signal
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +31,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=50)
 parser.add_argument("--batches-per-commit", type=int, default=3)
 parser.add_argument("--crash-at-batch", type=int, default=-1)
+parser.add_argument("--wd", type=float, default=0.01)
 args = parser.parse_args()
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -40,19 +49,33 @@ train_loader = torch.utils.data.DataLoader(train_dataset, batch_size=args.batch_
 
 model = mlp()
 # Horovod: scale the learning rate by the number of workers.
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.5)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.5, weight_decay=args.wd)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+
+def digest() -> str:
+    """The weights and the optimizer state, bit for bit."""
+    sha = hashlib.sha256()
+    for p in model.parameters():
+        sha.update(p.detach().numpy().tobytes())
+    for _, values in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(values.items()):
+            sha.update(key.encode() + (value.numpy().tobytes() if torch.is_tensor(value) else repr(value).encode()))
+    return sha.hexdigest()[:16]
 
 
 @hvd.elastic.run
 def train(state):
-    print(f"START attempt={ATTEMPT} epoch={state.epoch} batch={state.batch}", flush=True)
+    # One write per line: both ranks print this at once, and print() writes the text and its newline apart.
+    sys.stdout.write(f"START attempt={ATTEMPT} rank={hvd.rank()} epoch={state.epoch} batch={state.batch} "
+                     f"state={digest()}\n")
+    sys.stdout.flush()
     for state.epoch in range(state.epoch, args.epochs + 1):  # noqa: B020 - Horovod's elastic example, as written
         state.model.train()
         for batch_idx, (data, target) in enumerate(train_loader):
             if ATTEMPT == 0 and hvd.rank() == 1 and state.epoch == 1 and state.batch == args.crash_at_batch:
                 print(f"CRASH rank=1 epoch={state.epoch} batch={state.batch}", flush=True)
-                os._exit(13)  # a hard failure: no exception handling, no clean shutdown
+                os.kill(os.getpid(), signal.SIGKILL)  # a hard failure: no exception handling, no clean shutdown
             state.optimizer.zero_grad()
             F.cross_entropy(state.model(data), target).backward()
             state.optimizer.step()
@@ -81,5 +104,6 @@ model.eval()
 with torch.no_grad():
     accuracy = (model(mnist.val.images).argmax(1) == mnist.val.labels).float().mean().item()
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-print(f"DONE rank={hvd.rank()} checksum={checksum:.10f} accuracy={accuracy:.4f}", flush=True)
+sys.stdout.write(f"DONE rank={hvd.rank()} checksum={checksum:.10f} accuracy={accuracy:.4f} state={digest()}\n")
+sys.stdout.flush()
 hvd.shutdown()

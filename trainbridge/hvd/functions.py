@@ -2,7 +2,10 @@
 
 Same behaviour as ``horovod.torch.functions`` 0.28.1, including its quirk that
 a fresh optimizer's state is created by one zero-gradient ``step()`` before it is
-broadcast (this advances Adam's step count and applies weight decay once).
+broadcast (this advances Adam's step count and applies weight decay once), with
+one difference: when the root's optimizer already had state (a resumed job, an
+elastic restart), a rank whose fresh optimizer took that step gets its parameters
+back as they were, so they stay the root's (Horovod leaves them decayed, apart).
 Objects are pickled with cloudpickle when it is installed (Horovod's choice, so
 lambdas work), else with the standard pickle. Every function takes
 ``process_set=`` (``broadcast_parameters``, ``broadcast_optimizer_state`` and
@@ -60,8 +63,16 @@ def broadcast_optimizer_state(
             if isinstance(module, torch.nn.Embedding) and module.sparse:
                 sparse_params.update(id(p) for p in module.parameters())
 
-    # A new optimizer has no state yet: create it with one zero-gradient step, as Horovod does.
-    if len(state_dict["state"]) == 0:
+    # A new optimizer has no state yet: create it with one zero-gradient step, as Horovod does. That step
+    # moves the parameters (weight decay). Where the root's optimizer had state, the root takes no such step:
+    # a rank that takes it then keeps its parameters aside and puts them back at the end, so that weights
+    # broadcast before this call stay the root's.
+    had_state = len(state_dict["state"]) > 0
+    root_had_state = broadcast_object(had_state, root_rank, "broadcast_optimizer_state.root", process_set)
+    before_step: List[torch.Tensor] = []
+    if not had_state:
+        if root_had_state:
+            before_step = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and id(p) not in state_dict["state"]:
@@ -117,6 +128,9 @@ def broadcast_optimizer_state(
     broadcast_parameters(params, root_rank, process_set=process_set)
     for key, value in broadcast_object(scalars, root_rank, process_set=process_set).items():
         callbacks[key](value)
+    with torch.no_grad():
+        for p, saved in zip((p for group in optimizer.param_groups for p in group["params"]), before_step):
+            p.copy_(saved)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=global_process_set) -> Any:

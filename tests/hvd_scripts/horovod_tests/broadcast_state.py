@@ -73,6 +73,11 @@ def test_broadcast_state():
         for (k0, v0), (k1, v1) in zip(model_before, model_values(model)):
             assert k0 == k1 and type(v0) is type(v1) and (v0 == v1).all(), (name, k0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if not hvd.using_real_horovod:
+            # trainbridge's addition: the fresh optimizers' state-creating step (weight decay) leaves the weights
+            # the root's, which Horovod does not (its ranks other than 0 end up decayed, apart).
+            for (k0, v0), (_, v1) in zip(model_before, model_values(model)):
+                assert torch.equal(v0, v1), (name, k0, "moved by broadcast_optimizer_state")
         expected_tensors = 0 if opt_class == torch.optim.SGD and "momentum" not in opt_params else 4
         assert len(optimizer.state_dict()["state"]) == expected_tensors, (name, optimizer.state_dict()["state"])
         after = optimizer_values(optimizer)

@@ -1,5 +1,6 @@
 """``trainbridge.hvd`` where jobs meet trouble: busy ranks outside a process set, stale commit files, and
 elastic state of Horovod users' everyday values, under real torchrun launches (each with a timeout)."""
+import os
 import re
 import signal
 import socket
@@ -50,7 +51,7 @@ def _starts(output: str, attempt: int):
 
 
 def test_a_new_job_never_resumes_from_an_earlier_jobs_commit_file(tmp_path):
-    commit_dir = tmp_path / "trainbridge-elastic-none"
+    commit_dir = tmp_path / f"trainbridge-elastic-{os.geteuid()}-none"
     # An earlier job with the same run id commits 2 epochs, then fails for good (no restart left).
     earlier = _torchrun_run_id_none(0, "--fail-at-epoch", "2", tmp=tmp_path)
     assert earlier.returncode != 0 and "COMMIT attempt=0 epoch=2" in earlier.stdout, earlier.stdout[-3000:]
@@ -72,7 +73,7 @@ def test_a_restart_ignores_a_commit_file_written_by_another_job(tmp_path):
     ignored = [line for line in out.splitlines() if line.startswith("hvd.elastic: ignoring")]
     assert len(ignored) == 1 and "written by another torchrun job (none@another-torchrun" in ignored[0], out[-3000:]
     assert _starts(out, 1) == [("0", "0")] * 2, out[-3000:]
-    assert not (tmp_path / "trainbridge-elastic-none").exists()
+    assert not (tmp_path / f"trainbridge-elastic-{os.geteuid()}-none").exists()
 
 
 def test_a_restart_restores_numpy_named_tuple_defaultdict_and_enum_values(tmp_path):

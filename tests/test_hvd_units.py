@@ -1,4 +1,6 @@
 """Pure parts of trainbridge.hvd, without processes: negotiation, delegation, ops, compression, commit paths."""
+import os
+
 import pytest
 import torch
 
@@ -180,7 +182,8 @@ def test_real_horovod_is_refused_under_torchrun():
 
 def test_commit_file_only_under_torchrun():
     assert commit_file.commit_path({}) is None
-    assert commit_file.commit_path({"TORCHELASTIC_RUN_ID": "abc"}).endswith("trainbridge-elastic-abc/state.pt")
+    default = commit_file.commit_path({"TORCHELASTIC_RUN_ID": "abc"})
+    assert default.endswith(f"trainbridge-elastic-{os.geteuid()}-abc/state.pt")
     assert commit_file.commit_path({"TRAINBRIDGE_ELASTIC_DIR": "/ckpt"}) == "/ckpt/state.pt"
     assert not commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "0"})
     assert commit_file.is_restart({"TORCHELASTIC_RESTART_COUNT": "1"})

@@ -1,6 +1,6 @@
 """Files written by the main rank: atomic, durable, never half-written.
 
-Only rank 0 writes, to ``DIR/.<name>.<host>-<pid>-<n>.tmp`` first, then ``fsync`` and
+Only rank 0 writes, to ``DIR/.<name>.<host>-<pid>-<n>-<random>.tmp`` first, then ``fsync`` and
 ``os.replace``: a kill during the write leaves the old file intact (a rename is atomic on
 POSIX), and the directory is synced so that the rename itself survives a power loss.
 The temporary name is this writer's own, so two writers of one path (two threads, two

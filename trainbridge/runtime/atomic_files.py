@@ -1,6 +1,7 @@
 """Files that are never half-written: atomic, durable, one background write at a time.
 
-A write goes to ``DIR/.<name>.<host>-<pid>-<n>.tmp`` first, is flushed and ``fsync``-ed,
+A write goes to ``DIR/.<name>.<host>-<pid>-<n>-<random>.tmp`` first (made new: never an existing
+file, never through a link, :mod:`.safe_files`), is flushed and ``fsync``-ed,
 then ``os.replace``-d over the path: a kill during the write leaves the old file intact
 (a rename is atomic on POSIX), and the directory is synced so that the rename itself
 survives a power loss. The temporary name is this writer's own, so two writers of one
@@ -16,10 +17,11 @@ one line naming the fix) and by ``hvd.elastic``'s commit file.
 
 from __future__ import annotations
 
+import errno
 import glob
 import itertools
 import os
-import shutil
+import secrets
 import socket
 import threading
 import zipfile
@@ -27,6 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.serialization import config as _serialization_config
+
+from .safe_files import create_new
 
 
 def fsync_dir(directory: str) -> None:
@@ -64,9 +68,11 @@ _writes = itertools.count()  # numbers this process's temporary files
 
 
 def temporary_path(path: str) -> str:
-    """``DIR/.<name>.<host>-<pid>-<n>.tmp``: a name no other writer (thread, process, host) uses at the same time."""
+    """``DIR/.<name>.<host>-<pid>-<n>-<random>.tmp``: a name no other writer (thread, process, host) uses at the
+    same time, and that no other user can guess to plant a link there first."""
     directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{socket.gethostname()}-{os.getpid()}-{next(_writes)}.tmp")
+    unique = f"{socket.gethostname()}-{os.getpid()}-{next(_writes)}-{secrets.token_hex(4)}"
+    return os.path.join(directory, f".{name}.{unique}.tmp")
 
 
 def leftover_temporary_files(path: str) -> list:
@@ -86,7 +92,7 @@ def save_atomically(obj: Any, path: str, keep_previous: Optional[str] = None) ->
     tmp, sink = temporary_path(path), None
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with create_new(tmp) as f:  # never an existing file, never through a link
             sink = _WriteErrors(f)
             # Every record gets its zip CRC-32 (torch.load never checks them; checksum_error does), even
             # where a script turned them off: a flipped bit must be found before a resume trains on it.
@@ -139,14 +145,28 @@ def copy_atomically(source: str, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     tmp = temporary_path(path)
     try:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with open(source, "rb") as src, create_new(tmp) as dst:
+            _copy_file(src.fileno(), dst.fileno())
+            os.fsync(dst.fileno())
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
     fsync_dir(directory)
+
+
+def _copy_file(src: int, dst: int) -> None:
+    """Copy the open file ``src`` to ``dst`` with sendfile (in the kernel), or by reads where it is refused."""
+    offset = 0
+    try:
+        while sent := os.sendfile(dst, src, offset, 1 << 30):
+            offset += sent
+    except OSError as exc:
+        if offset or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK):
+            raise
+        os.lseek(src, 0, os.SEEK_SET)
+        while chunk := os.read(src, 1 << 20):
+            os.write(dst, chunk)  # a full disk raises here, as in torch.save
 
 
 def _rotate(path: str, keep_previous: str) -> None:

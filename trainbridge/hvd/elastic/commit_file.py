@@ -4,7 +4,7 @@ torchrun (``--max-restarts N``) restarts *every* worker when one fails, so the
 in-memory commit of Horovod's elastic mode is lost with the processes. Under
 torchrun, rank 0 therefore also writes each commit to
 
-    $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<TORCHELASTIC_RUN_ID>/)
+    $TRAINBRIDGE_ELASTIC_DIR/state.pt     (default: <tmp>/trainbridge-elastic-<uid>-<TORCHELASTIC_RUN_ID>/)
 
 atomically and durably (write, fsync, rename, fsync the directory: the writer of
 trainbridge's checkpoints, :mod:`trainbridge.runtime.atomic_files`), on a thread:
@@ -16,6 +16,12 @@ signal, as it does before it exits. A crash during a write leaves the previous c
 complete. On a restart (TORCHELASTIC_RESTART_COUNT > 0) rank 0 loads it and
 ``state.sync()`` broadcasts it to the other ranks, which may run on other nodes.
 Outside torchrun nothing is written.
+
+The default folder is in the shared temporary directory, so it is made with mode 0700
+and checked before every read and write: a folder that is a link, another user's, or
+open to others stops the job with one line (another user could plant a commit there,
+or redirect the writes through links). Temporary files are made new, never through a
+link; in an explicit TRAINBRIDGE_ELASTIC_DIR a commit file of another user is ignored.
 
 The file belongs to one torchrun invocation (:func:`job_identity`), which it
 records:
@@ -50,6 +56,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...runtime.atomic_files import BackgroundWriter, checksum_error, leftover_temporary_files, save_atomically
+from ...runtime.safe_files import owner_problem, private_directory
 from .plain_values import from_plain, to_plain
 
 SHARED_RUN_ID = "none"  # torchrun's default --rdzv-id (static rendezvous): every such job has it
@@ -63,8 +70,23 @@ def commit_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
         run_id = environ.get("TORCHELASTIC_RUN_ID")
         if run_id is None:
             return None
-        directory = os.path.join(tempfile.gettempdir(), f"trainbridge-elastic-{run_id}")
+        # Per user: two users' jobs with torchrun's default run id never meet in one folder.
+        directory = os.path.join(tempfile.gettempdir(), f"trainbridge-elastic-{os.geteuid()}-{run_id}")
     return os.path.join(directory, "state.pt")
+
+
+def check_directory(path: str) -> None:
+    """The default folder (in the shared temporary directory) made if missing and checked to be this user's
+    alone: UserError otherwise. An explicit TRAINBRIDGE_ELASTIC_DIR is made as it is, the user's choice."""
+    directory = os.path.dirname(path)
+    if not is_default_location():
+        os.makedirs(directory, exist_ok=True)
+        return
+    private_directory(
+        directory,
+        "hvd.elastic: the commit folder",
+        "remove it, or set TRAINBRIDGE_ELASTIC_DIR to a folder of your own",
+    )
 
 
 def is_restart(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -112,8 +134,7 @@ def save(snapshot: Any, path: str, job: str = "") -> None:
 
 
 def _write(plain: Any, path: str, job: str) -> None:
-    # The default directory is in the shared temporary directory: this user's alone.
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    check_directory(path)
     save_atomically({"job": job, "state": plain}, path)
 
 
@@ -162,7 +183,14 @@ writer = CommitWriter()
 
 
 def _read(path: str) -> Optional[dict]:
-    if not os.path.exists(path):
+    check_directory(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    stranger = owner_problem(info)
+    if stranger is not None:  # in an explicit TRAINBRIDGE_ELASTIC_DIR that others can write
+        print(f"hvd.elastic: ignoring {path}: it {stranger}; starting from the initial state", flush=True)
         return None
     changed = checksum_error(path)  # a flipped bit must not be broadcast to every rank as the state
     if changed is not None:
@@ -191,7 +219,8 @@ def load(path: str, job: Optional[str] = None) -> Optional[Any]:
 def remove(path: str, why: str = "") -> None:
     """Delete the commit file (and the default directory, once empty); ``why`` is printed if there was one."""
     writer.wait()  # a write in flight would bring it back
-    if os.path.exists(path):
+    check_directory(path)
+    if os.path.lexists(path):
         os.remove(path)
         if why:
             print(f"hvd.elastic: removed {path}: {why}", flush=True)

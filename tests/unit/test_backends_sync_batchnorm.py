@@ -113,20 +113,17 @@ def test_a_lazy_batchnorm_that_has_seen_no_input_is_one_line():
 
 
 class ThreadRanks:
-    """``size`` threads as ranks: a differentiable sum over them through a barrier, in rank order."""
+    """``size`` threads as ranks, summing tensors through a barrier, in rank order."""
 
     def __init__(self, size):
         self.size, self.barrier, self.shares, self.me = size, threading.Barrier(size), [None] * size, threading.local()
 
-    def plain_sum(self, tensor):
+    def sum_over_ranks(self, tensor):
         self.shares[self.me.rank] = tensor.detach()
         self.barrier.wait()
         total = sum(self.shares[1:], self.shares[0].clone())
         self.barrier.wait()  # every rank has read the shares before the next sum writes them
         return total
-
-    def differentiable_sum(self, tensor):
-        return RankSumFunction.apply(self, tensor)
 
     def run(self, work):
         """``work(rank)`` in each rank's thread; the results in rank order."""
@@ -149,17 +146,6 @@ class ThreadRanks:
         return results
 
 
-class RankSumFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ranks, tensor):
-        ctx.ranks = ranks
-        return ranks.plain_sum(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, ctx.ranks.plain_sum(grad)
-
-
 @pytest.mark.parametrize("shares", [[4, 4, 4], [5, 1], [6, 0, 6]], ids=["even", "one-sample", "empty-rank"])
 def test_ranks_holding_slices_of_the_batch_match_one_process_on_the_whole_batch(shares):
     plain = net()
@@ -170,7 +156,7 @@ def test_ranks_holding_slices_of_the_batch_match_one_process_on_the_whole_batch(
     (plain(x_whole) - target).square().sum().div(sum(shares)).backward()
     ranks = ThreadRanks(len(shares))
     starts = [sum(shares[:r]) for r in range(len(shares))]
-    models = [synchronize_batchnorm(net(), ranks.differentiable_sum, every_batchnorm=True) for _ in shares]
+    models = [synchronize_batchnorm(net(), ranks.sum_over_ranks, every_batchnorm=True) for _ in shares]
 
     def train(rank):
         model = models[rank]
@@ -192,7 +178,7 @@ def test_one_value_per_channel_over_all_ranks_is_refused_as_by_batchnorm():
     ranks = ThreadRanks(2)
 
     def forward(rank):
-        layer = SyncBatchNorm(3, sum_over_ranks=ranks.differentiable_sum)
+        layer = SyncBatchNorm(3, sum_over_ranks=ranks.sum_over_ranks)
         with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training.*1 value"):
             layer(torch.randn(rank, 3))  # rank 0 holds no sample, rank 1 one
         return True
@@ -238,9 +224,29 @@ def test_a_users_torch_syncbatchnorm_trains_on_the_cpu_under_ddp(job):
     assert job.unwrap(prepared)[1].num_batches_tracked.item() == 1
 
 
-def test_the_torch_backend_sums_over_its_ranks_inside_autograd(job):
+def test_the_torch_backend_sums_over_its_ranks_into_a_new_tensor(job):
     assert isinstance(job.backend, TorchBackend)
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    total = job.backend.differentiable_sum(x)
-    (total * torch.arange(3.0, dtype=torch.float64)).sum().backward()
-    assert torch.equal(total, x.detach()) and torch.equal(x.grad, torch.arange(3.0, dtype=torch.float64))
+    x = torch.randn(3, dtype=torch.float64)
+    total = job.backend.sum_over_ranks(x)
+    assert type(total) is torch.Tensor and torch.equal(total, x) and total.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_input_is_normalised_in_float32_as_batchnorm_does(dtype):
+    plain = nn.BatchNorm2d(4)  # float32 weights, as under autocast
+    synced = synchronize_batchnorm(copy.deepcopy(plain), alone, every_batchnorm=True)
+    x = (torch.randn(8, 4, 5, 5) * 3 + 50).to(dtype)  # a mean far from 0, where half-precision sums round
+    outputs, grads = [], []
+    for model in (plain, synced):
+        leaf = x.clone().requires_grad_()
+        out = model(leaf)
+        out.float().square().mean().backward()
+        outputs.append(out)
+        grads.append((leaf.grad, model.weight.grad))
+    assert outputs[1].dtype == outputs[0].dtype == dtype and grads[1][0].dtype == dtype
+    assert grads[1][1].dtype == torch.float32
+    assert (outputs[1].float() - outputs[0].float()).abs().max() < 2e-2
+    assert (grads[1][0].float() - grads[0][0].float()).abs().max() < 2e-3
+    assert (grads[1][1] - grads[0][1]).abs().max() < 2e-2
+    assert (synced.running_mean - plain.running_mean).abs().max() < 1e-3
+    assert (synced.running_var - plain.running_var).abs().max() < 1e-3

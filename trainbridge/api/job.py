@@ -281,7 +281,7 @@ class Job:
             self.scaler = torch.amp.GradScaler(self.device.type)
         # Before the backend wraps the model (DDP registers the modules it is given): BatchNorm layers that
         # sum their statistics over the ranks, all of them with sync_batchnorm, else those meant to.
-        model = synchronize_batchnorm(model, self.backend.differentiable_sum, every_batchnorm=sync_batchnorm)
+        model = synchronize_batchnorm(model, self.backend.sum_over_ranks, every_batchnorm=sync_batchnorm)
         return self.backend.wrap(model.to(self.device), optimizer, exchange)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

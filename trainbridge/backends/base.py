@@ -178,10 +178,12 @@ class Backend(abc.ABC):
         return lambda: result
 
     @abc.abstractmethod
-    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the ranks, inside autograd: the gradient flowing back into ``tensor`` is the
-        sum over the ranks of the result's gradient (synchronized BatchNorm's statistics,
-        :mod:`trainbridge.backends.sync_batchnorm`). Every rank calls it, in the same order."""
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, a new tensor on its device; every rank calls it, in the same order.
+
+        For code inside the model's forward and backward passes (synchronized BatchNorm's statistics,
+        :mod:`trainbridge.backends.sync_batchnorm`): no copy to another device, and on the torch backend
+        ``torch.compile`` traces it."""
 
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> List[Any]:

@@ -212,8 +212,7 @@ class HorovodBackend(Backend):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.hvd.allreduce(tensor.detach(), op=self._op(op))
 
-    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        # horovod.torch's allreduce (not allreduce_) is an autograd function whose backward allreduces the gradient.
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
     def _op(self, op: str):

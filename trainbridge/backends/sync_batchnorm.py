@@ -8,13 +8,14 @@ The sums cross ranks in float64, so the statistics do not depend on the order in
 ranks' sums are added. Every rank gets the same sums, so every rank holds the same running
 statistics.
 
-The backend gives the sum over the ranks (``Backend.differentiable_sum``), an autograd
-function: the gradient of a sum over the ranks is the sum over the ranks of the gradient, so
-autograd derives the backward pass, input gradients included every rank's share through the
-shared statistics; weight and bias gradients stay per rank, averaged with the others.
+The backward pass needs every rank's share too: an input's gradient depends on all the
+samples through the shared statistics, so the per-channel sums of the output gradient
+(and of its product with the normalised input) cross the ranks in one more sum. Weight and
+bias gradients stay per rank, averaged with the model's other gradients. The backend gives
+the sum over the ranks (``Backend.sum_over_ranks``).
 
 Cost: two small allreduces (``2 * channels + 1`` and ``channels`` float64 values) per layer
-per training forward, and the same two in backward.
+per training forward and one (``2 * channels``) in backward, each a wait for every rank.
 """
 
 from __future__ import annotations
@@ -44,12 +45,80 @@ class RankSum:
         return self  # the copy lives in this process and sums over the same ranks
 
 
+class _GlobalBatchNorm(torch.autograd.Function):
+    """BatchNorm's training forward and backward with the statistics of every rank's samples.
+
+    Returns the output, and the batch's mean and unbiased variance (float64, per channel) for the
+    running statistics. Half-precision inputs (under autocast) are normalised in float32, as
+    BatchNorm's own kernels do, and the output and input gradient are in the input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input, weight, bias, eps: float, sum_over_ranks: SumOverRanks):
+        dims, shape = _channel_dims(input)
+        x = input.to(_compute_dtype(input.dtype))
+        per_channel = x.numel() // x.shape[1] if x.shape[1] else 0
+        count = torch.full((1,), per_channel, dtype=torch.float64, device=x.device)
+        # The per-channel sums and counts of every rank's samples in one allreduce, then the global mean.
+        totals = sum_over_ranks(torch.cat([x.sum(dims).double(), count]))
+        total = totals[-1:]
+        if per_channel <= 1 and float(total) <= 1:  # total is the same on every rank: all raise, or none
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {list(input.shape)} "
+                f"with {int(total)} value(s) per channel over all ranks"
+            )
+        mean = totals[:-1] / total
+        normalized = x - mean.to(x.dtype).view(shape)
+        # The centred squares over every rank's samples: the global (biased) variance.
+        var = sum_over_ranks((normalized * normalized).sum(dims).double()) / total
+        invstd = torch.rsqrt(var + eps).to(x.dtype)
+        normalized.mul_(invstd.view(shape))
+        output = normalized if weight is None else normalized * weight.to(x.dtype).view(shape)
+        output = output if bias is None else output + bias.to(x.dtype).view(shape)
+        ctx.save_for_backward(normalized.to(input.dtype), invstd, weight, total)
+        ctx.sum_over_ranks = sum_over_ranks
+        unbiased_var = var * total / (total - 1)
+        ctx.mark_non_differentiable(mean, unbiased_var)
+        return output.to(input.dtype), mean, unbiased_var
+
+    @staticmethod
+    def backward(ctx: Any, grad_output, _mean, _var):
+        normalized, invstd, weight, total = ctx.saved_tensors
+        dims, shape = _channel_dims(grad_output)
+        dy, normalized = grad_output.to(invstd.dtype), normalized.to(invstd.dtype)
+        sum_dy = dy.sum(dims)
+        sum_dy_normalized = (dy * normalized).sum(dims)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # dL/dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), the means over every rank's samples.
+            means = ctx.sum_over_ranks(torch.cat([sum_dy, sum_dy_normalized]).double()) / total
+            mean_dy, mean_dy_normalized = means.to(dy.dtype).chunk(2)
+            scale = invstd if weight is None else invstd * weight.to(dy.dtype)
+            grad_input = dy - mean_dy.view(shape) - normalized * mean_dy_normalized.view(shape)
+            grad_input = grad_input.mul_(scale.view(shape)).to(grad_output.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = sum_dy_normalized.to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(weight.dtype if weight is not None else grad_output.dtype)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs (their sums would round at every step), else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _channel_dims(tensor: torch.Tensor):
+    """The dimensions a channel's statistics are taken over, and the shape that broadcasts a channel's value."""
+    return [0, *range(2, tensor.dim())], [1, -1] + [1] * (tensor.dim() - 2)
+
+
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over (N, C, ...) input whose training statistics span every rank's samples.
 
-    ``sum_over_ranks``: the job's differentiable sum of a tensor over all ranks (identity in
-    one process). Every rank must run the same training forwards, as it runs the same
-    backward passes. In eval mode the layer waits for no rank: it normalises with its running
+    ``sum_over_ranks``: the job's sum of a tensor over all ranks (identity in one process).
+    Every rank must run the same training forwards, as it runs the same backward passes
+    (each is a collective). In eval mode the layer waits for no rank: it normalises with its running
     statistics (without them, with its own batch's, as plain BatchNorm does), so evaluation
     shards may be uneven.
     """
@@ -85,27 +154,11 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self._over_ranks():
             return super().forward(input)
-        dims = [0, *range(2, input.dim())]
-        shape = [1, -1] + [1] * (input.dim() - 2)
-        per_channel = input.numel() // input.shape[1] if input.shape[1] else 0
-        count = torch.full((1,), per_channel, dtype=torch.float64, device=input.device)
-        # The sums and the count per channel of every rank's samples in one allreduce, then the global mean.
-        totals = self.sum_over_ranks(torch.cat([input.sum(dims, dtype=torch.float64), count]))
-        total = totals[-1]
-        if per_channel <= 1 and float(total.detach()) <= 1:  # total is the same on every rank: all raise, or none
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {list(input.shape)} "
-                f"with {int(total)} value(s) per channel over all ranks"
-            )
-        mean = totals[:-1] / total
-        centred = input - mean.to(input.dtype).view(shape)
-        # The centred squares over every rank's samples: the global (biased) variance.
-        var = self.sum_over_ranks((centred * centred).sum(dims, dtype=torch.float64)) / total
-        output = centred * torch.rsqrt(var + self.eps).to(input.dtype).view(shape)
-        if self.affine:
-            output = output * self.weight.to(input.dtype).view(shape) + self.bias.to(input.dtype).view(shape)
+        output, mean, unbiased_var = _GlobalBatchNorm.apply(
+            input, self.weight, self.bias, self.eps, self.sum_over_ranks
+        )
         if self.training and self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach() * total / (total - 1))
+            self._update_running_stats(mean, unbiased_var)
         return output
 
     @torch.no_grad()

@@ -255,9 +255,8 @@ class TorchBackend(Backend):
 
         return wait
 
-    def differentiable_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        # torch.distributed's functional all_reduce has a backward (it allreduces the gradient), on gloo and nccl,
-        # and torch.compile traces it.
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        # torch.distributed's functional all_reduce: on gloo and nccl, and torch.compile traces it.
         world = dist.group.WORLD
         assert world is not None  # init() joined it
         summed = functional_collectives.all_reduce(tensor, "sum", world)

@@ -1,7 +1,7 @@
 """``hvd.SyncBatchNorm``: batch statistics over the whole global batch, on CPU and GPU.
 
 The layer of :mod:`trainbridge.backends.sync_batchnorm` (float64 per-channel sums over the
-ranks, autograd through them), summing with this module's own differentiable allreduce.
+ranks in forward and backward), summing with this module's own allreduce.
 As Horovod's, it takes the global batch's statistics whenever it uses batch statistics
 (also in eval mode without running statistics), and in a job of one process it is plain
 BatchNorm.

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import os
+import tempfile
 from typing import Any, Dict, List, Optional, Type
 
 from ..api.files import unloadable_value
@@ -106,6 +107,12 @@ class TrainConfig:
         help="plateau: epochs without a lower val loss before the learning rate drops 10x (default: {default})",
     )
     scale_lr: bool = option(False, help="multiply the learning rate by the world size", same_on_resume=True)
+    sync_batchnorm: bool = option(
+        False,
+        same_on_resume=True,
+        help="BatchNorm statistics of the whole global batch, not of each rank's share: the model does not "
+        "depend on the world size (three small allreduces per BatchNorm layer per training step)",
+    )
     seed: int = option(1, same_on_resume=True)
     deterministic: bool = option(
         False,
@@ -302,9 +309,8 @@ def check_output_dir(path: str) -> None:
         raise UserError(f"--output-dir {path}: {existing} is a file, not a folder; pass another --output-dir")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)  # made new: never through a planted link
+        os.close(fd)
         os.remove(probe)
     except OSError as exc:
         raise UserError(

@@ -185,7 +185,12 @@ def train(cfg: TrainConfig, job: Job) -> Row:
         load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
     model, optimizer = job.prepare(
-        model, optimizer, amp=cfg.amp, compression=cfg.compression, shm_allreduce=cfg.shm_allreduce
+        model,
+        optimizer,
+        amp=cfg.amp,
+        compression=cfg.compression,
+        shm_allreduce=cfg.shm_allreduce,
+        sync_batchnorm=cfg.sync_batchnorm,
     )
     scheduler = build_scheduler(cfg, optimizer)  # after job.prepare: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, job, cfg.batch_size, layout, cfg.compile)

@@ -5,6 +5,7 @@ import socket
 
 import pytest
 import torch
+from other_user import as_other_user, needs_another_user, other_uid, shared_dir  # noqa: F401 - a fixture
 from python_child import run_python
 from test_api_files import flip_bit
 
@@ -224,6 +225,59 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(UserError, match=r"--output-dir .*a_file/out is not writable \(.*\); pass a folder"):
         lock_output_dir(str(tmp_path / "a_file" / "out"), Notes())
+
+
+def test_the_lock_file_is_never_opened_through_a_link(tmp_path):
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"root's own")
+    (tmp_path / "out").mkdir()
+    os.symlink(precious, tmp_path / "out" / LOCK)
+    with pytest.raises(UserError, match=rf"--output-dir {tmp_path / 'out'}: cannot open its lock file "
+                                        rf"{tmp_path / 'out' / LOCK} \(it is a symbolic link\); remove it, or pass "
+                                        rf"another --output-dir$"):
+        lock_output_dir(str(tmp_path / "out"), Notes())
+    assert precious.read_bytes() == b"root's own"
+
+
+def test_an_output_dir_every_user_can_write_is_refused(tmp_path):
+    (tmp_path / "runs").mkdir()
+    os.chmod(tmp_path / "runs", 0o1777)
+    with pytest.raises(UserError, match=rf"^--output-dir {tmp_path / 'runs'} can be written by every user \(mode "
+                                        rf"1777\): another local user could plant a last\.pt there for this job to "
+                                        rf"resume from, or redirect its writes; pass a folder of your own \(e\.g\. "
+                                        rf"{tmp_path / 'runs' / 'runs'}, made by this job\)$"):
+        lock_output_dir(str(tmp_path / "runs"), Notes())
+    assert os.listdir(tmp_path / "runs") == []
+
+
+@needs_another_user
+def test_an_output_dir_another_user_made_is_refused_and_nothing_there_is_touched(shared_dir):  # noqa: F811
+    precious = os.path.join(shared_dir, "precious")
+    with open(precious, "wb") as f:
+        f.write(b"root's own")
+    os.chmod(precious, 0o600)
+    runs = os.path.join(shared_dir, "runs")
+    as_other_user(f"mkdir -m 755 {runs} && ln -s {precious} {runs}/{LOCK} && echo planted > {runs}/last.pt")
+    with pytest.raises(UserError, match=rf"^--output-dir {runs} belongs to another user \(uid {other_uid()}\): "):
+        lock_output_dir(runs, Notes())
+    with open(precious, "rb") as f:
+        assert f.read() == b"root's own"
+    assert sorted(os.listdir(runs)) == [LOCK, "last.pt"]
+
+
+@needs_another_user
+def test_a_last_pt_of_another_user_is_never_resumed_from(tmp_path):
+    write_checkpoint(tmp_path / "last.pt", 1000)  # say, planted by a member of the folder's group
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    os.chown(tmp_path / "last.pt", other_uid(), -1)
+    lock_output_dir(str(tmp_path), Notes())
+    with pytest.raises(UserError, match=rf"^checkpoint {tmp_path / 'last.pt'} belongs to another user \(uid "
+                                        rf"{other_uid()}\): this job's user did not write it, and resuming would "
+                                        rf"train on whatever weights it holds; nothing was moved; move it away, or "
+                                        rf"pass --resume {tmp_path / 'last.pt'} if you trust it$"):
+        choose_resume("auto", str(tmp_path), Notes())
+    assert sorted(os.listdir(tmp_path)) == [LOCK, "last.pt", "previous.pt"]
+    assert choose_resume(str(tmp_path / "last.pt"), str(tmp_path), Notes())[1]["step"] == 1000  # trusted by name
 
 
 # ----- set_aside_previous_run -------------------------------------------------------------------

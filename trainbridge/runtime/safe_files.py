@@ -11,13 +11,14 @@ So, everywhere trainbridge writes:
   the shared temporary directory) is made with mode 0700, and then checked: a real directory,
   not a link, owned by this user, closed to group and others (:func:`private_directory`);
 * a file that was found rather than made can be checked for its owner before it is trusted
-  (:func:`owner_problem`).
+  (:func:`owner_problem`, against the owner this user's new files get there: :func:`new_file_owner`).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from typing import BinaryIO, Optional
 
 from ..errors import UserError
@@ -32,18 +33,30 @@ def create_new(path: str, mode: int = 0o666) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-def owner_problem(info: os.stat_result, private: bool = False) -> Optional[str]:
+def owner_problem(info: os.stat_result, private: bool = False, owner: Optional[int] = None) -> Optional[str]:
     """Why a file or folder with ``os.lstat`` result ``info`` is not this user's own, in a phrase; None if it is.
 
     ``private``: also refuse access for group or others (a folder only this user may use).
+    ``owner``: the uid this user's files get there (:func:`new_file_owner`); default: this user's.
     """
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link"
-    if info.st_uid != os.geteuid():
+    if info.st_uid != (os.geteuid() if owner is None else owner):
         return f"belongs to another user (uid {info.st_uid})"
     if private and info.st_mode & 0o077:
         return f"is open to other users (mode {stat.S_IMODE(info.st_mode):o})"
     return None
+
+
+def new_file_owner(directory: str) -> int:
+    """The owner a file made in ``directory`` gets: this user's uid, or the one the file system maps it
+    to (root on an NFS export with root_squash gets nobody's). Probed with a file made and removed."""
+    fd, probe = tempfile.mkstemp(prefix=".owner-probe-", dir=directory)
+    try:
+        return os.fstat(fd).st_uid
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def private_directory(path: str, what: str, fix: str) -> None:

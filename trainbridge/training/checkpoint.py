@@ -27,6 +27,10 @@ during the write leaves the old file intact. On top of that, the engine's contra
   ``last.pt`` (or, with ``--resume never``, move it aside) and both would write there;
   it stops at once instead. The kernel drops the lock when the process ends, however
   it ends, so a crashed job never blocks the next.
+* The output directory is this user's alone: one of another user, or one every user
+  can write (``/tmp/runs``), is refused before anything there is read, the lock file is
+  never opened through a link, and ``--resume auto`` never resumes from a ``last.pt``
+  another user wrote (``weights_only`` stops planted code, not planted weights).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..api.files import CorruptCheckpoint, read_file, state_mismatch
 from ..errors import UserError
+from ..runtime.safe_files import new_file_owner, owner_problem
 
 if TYPE_CHECKING:
     from ..api import Job
@@ -49,6 +55,7 @@ LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 FORMAT = "trainbridge-checkpoint-1"
 LOCK = ".trainbridge.lock"
 _held: Dict[str, IO[str]] = {}  # output directory -> its lock file, open until this process ends
+_owners: Dict[str, int] = {}  # output directory -> the uid this user's files get there
 
 
 def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
@@ -66,11 +73,35 @@ def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
     path = os.path.join(directory, LOCK)
     try:
         os.makedirs(directory, exist_ok=True)
-        lock = open(path, "a+")
+        owner = new_file_owner(directory)  # this user's uid there (an NFS root_squash maps root's)
     except OSError as exc:
         raise UserError(
             f"--output-dir {output_dir} is not writable ({exc.strerror or exc}); pass a folder you can write to"
         ) from exc
+    problem = shared_folder_problem(directory, owner)
+    if problem is not None:
+        raise UserError(
+            f"--output-dir {output_dir} {problem}: another local user could plant a last.pt there for this job "
+            f"to resume from, or redirect its writes; pass a folder of your own (e.g. "
+            f"{os.path.join(output_dir, 'runs')}, made by this job)"
+        )
+    try:
+        # Never through a link, and not emptied before it is held: a second job reads the holder in it.
+        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+")
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        raise UserError(
+            f"--output-dir {output_dir}: cannot open its lock file {path} ({why}); remove it, or pass another "
+            f"--output-dir"
+        ) from exc
+    info = os.fstat(lock.fileno())
+    problem = owner_problem(info, owner=owner) or (None if stat.S_ISREG(info.st_mode) else "is not a regular file")
+    if problem is not None:
+        lock.close()
+        raise UserError(
+            f"--output-dir {output_dir}: its lock file {path} {problem}; remove it, or pass another --output-dir"
+        )
+    _owners[directory] = owner
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -93,6 +124,29 @@ def lock_output_dir(output_dir: str, note: Callable[[str], None]) -> None:
     lock.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
     lock.flush()
     _held[directory] = lock
+
+
+def shared_folder_problem(directory: str, owner: int) -> Optional[str]:
+    """Why another local user could plant or redirect files in ``directory``, in a phrase; None when no one can.
+
+    ``owner``: the uid this user's files get there. A link to the folder counts as the link's
+    owner's choice: another user's link is refused too.
+    """
+    link = os.lstat(directory)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (owner, 0):
+        return f"is a symbolic link of another user (uid {link.st_uid})"
+    info = os.stat(directory)
+    if info.st_uid != owner:
+        return f"belongs to another user (uid {info.st_uid})"
+    if info.st_mode & stat.S_IWOTH:
+        return f"can be written by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def planted_problem(path: str) -> Optional[str]:
+    """Why the checkpoint ``path`` found in an output folder may not be this job's user's, in a phrase; or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    return owner_problem(os.lstat(path), owner=_owners.get(directory))
 
 
 def claim_output_dir(output_dir: str, job: "Job") -> None:
@@ -143,6 +197,12 @@ def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> 
     for path in candidates:
         if not os.path.exists(path):
             continue
+        planted = planted_problem(path)
+        if planted is not None:
+            raise UserError(
+                f"checkpoint {path} {planted}: this job's user did not write it, and resuming would train on "
+                f"whatever weights it holds; nothing was moved; move it away, or pass --resume {path} if you trust it"
+            )
         try:
             checkpoint = read_checkpoint(path)
         except CorruptCheckpoint as exc:  # only bytes proven bad; a readable file, or a failed read, is never moved

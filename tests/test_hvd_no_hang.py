@@ -6,9 +6,11 @@ limits; every rank must report every phase as ok, each within the seconds the sc
 import re
 from pathlib import Path
 
-from conftest import TORCHRUN, check, run
+import pytest
+from conftest import MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, in_matrix, run
 
 SCRIPT = Path(__file__).parent / "hvd_scripts" / "no_hang.py"
+ABORTED_STEP = Path(__file__).parent / "hvd_scripts" / "aborted_step.py"
 PHASES = ["rejected", "stall_warning", "stall_shutdown", "silent_peer", "engine_failure"]
 
 
@@ -25,3 +27,22 @@ def test_rejected_inputs_stalls_and_engine_failures_raise_on_every_rank():
     warning = re.search(r"trainbridge\.hvd: warning: rank 1 is waiting for allreduce 'late_on_rank_0' "
                         r"\(waited \d+s; ranks \[0\] have not submitted it\)", result.stderr)
     assert warning, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("launcher", in_matrix(["torchrun", "mpirun"], ["mpirun"]))
+def test_names_of_an_aborted_step_are_reused_at_once_on_every_rank(launcher):
+    """30 rounds of a step whose allreduces are dropped by an exception and started again at once under the same
+    names, each rank late by turns. (Before: ValueError '0.weight' is already in progress on one rank or both, and
+    where one rank only lost the race, the other waited for the stall shutdown.)"""
+    command = {"torchrun": [TORCHRUN, "--standalone", "--nproc-per-node=2", str(ABORTED_STEP)],
+               "mpirun": [MPIRUN, *MPIRUN_FLAGS, "-np", "2", PYTHON, str(ABORTED_STEP)]}[launcher]
+    # A short stall shutdown: an operation left waiting fails the run in seconds, not at the timeout.
+    result = check(run(command, timeout=120, env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20"}))
+    out = result.stdout
+    assert sorted(re.findall(r"ABORTED (\d) (ok 30|FAIL.*)", out)) == [("0", "ok 30"), ("1", "ok 30")], out[-3000:]
+    # An optimizer step aborted between backward and step(): every rank gets Horovod's one line at zero_grad().
+    lines = dict(re.findall(r"OPTIMIZER (\d) (.*)", out))
+    assert sorted(lines) == ["0", "1"] and lines["0"] == lines["1"], out[-3000:]
+    assert lines["0"].startswith("optimizer.zero_grad() was called after loss.backward() but before"), lines
+    trained = dict(re.findall(r"TRAINED (\d) (\w+)", out))
+    assert sorted(trained) == ["0", "1"] and trained["0"] == trained["1"], out[-3000:]

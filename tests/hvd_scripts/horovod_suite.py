@@ -34,7 +34,9 @@ operation issued by one rank only would shift every later auto-generated name: h
 fixed order), and the expected gradients and integer rounding of Horovod 0.28.1 as
 installed (the test file on Horovod's master expects Sum-style gradients for
 allgather/broadcast that 0.28.1 does not produce; the real Horovod passes these checks,
-see test_hvd_api.py).
+see test_hvd_api.py). One check differs by design: a name submitted again while in flight
+raises ValueError under Horovod and runs after the first on the torch backend
+(``common.expect_duplicate_name_error``).
 """
 
 import atexit

@@ -27,6 +27,11 @@ Contract (the same as Horovod's background loop):
   them. A set's lane ends when the set is removed or the job shuts down.
 * A rank that rejects its own input (see ``reject``) still announces the
   operation, so its peers fail it too instead of waiting for it.
+* A name submitted again while an earlier operation of that name is still in
+  flight on this rank (a step aborted by an exception, its handles never
+  synchronized, then retried at once) waits behind it and is announced once the
+  earlier one is decided: each rank's n-th operation of a name goes with the
+  peers' n-th, whatever the timing, so the retry runs on every rank.
 * No operation waits for ever. A watchdog (trainbridge's, :mod:`trainbridge.runtime.watchdog`)
   prints, after HOROVOD_STALL_CHECK_TIME_SECONDS (default 60; HOROVOD_STALL_CHECK_DISABLE=1
   turns it off), each operation this rank has waited for and the ranks that have
@@ -48,7 +53,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -174,7 +179,10 @@ class Engine:
         self._next_set_id = 1
         self._cv = threading.Condition()
         self._outbox: List = []
-        self._local: Dict[Key, Request] = {}
+        self._local: Dict[Key, Request] = {}  # announced, not decided yet: at most one per name
+        # Later submissions (or rejections: request None) of a name in self._local, announced in order as each
+        # earlier one is decided.
+        self._waiting: Dict[Key, Deque[Tuple[str, Announcement, Optional[Request]]]] = {}
         self._executing: List[Request] = []  # taken out of _local by _run, not finished yet
         self._join: Optional[Handle] = None
         self._join_device = -1
@@ -227,16 +235,27 @@ class Engine:
             kind = announcement.kind
             name = self._name(name, kind)
             key = (announcement.process_set, name)
-            if key in self._local:
-                raise ValueError(
-                    f"hvd.{kind}: an operation named {name!r} is already in progress on rank "
-                    f"{self.rank}; synchronize it first or give the new one another name"
-                )
             request = Request(key, announcement, inputs, outputs, grouped, handle=Handle(self._thread.is_alive))
-            self._local[key] = request
-            self._outbox.append((name, announcement))
-            self._cv.notify()
+            if key in self._local:
+                self._waiting.setdefault(key, collections.deque()).append((name, announcement, request))
+            else:
+                self._announce(name, announcement, request)
         return request.handle
+
+    def _announce(self, name: str, announcement: Announcement, request: Optional[Request]) -> None:
+        """Put one operation (or, with ``request`` None, a rejection) in the next cycle's message; holds _cv."""
+        if request is not None:
+            self._local[request.key] = request
+        self._outbox.append((name, announcement))
+        self._cv.notify()
+
+    def _announce_next(self, key: Key) -> None:
+        """``key``'s operation was decided: announce what waits behind it, up to the next operation; holds _cv."""
+        waiting = self._waiting.get(key)
+        while waiting and key not in self._local:
+            self._announce(*waiting.popleft())
+        if not waiting:
+            self._waiting.pop(key, None)
 
     def reject(self, name: Optional[str], kind: str, process_set: int, error: BaseException) -> None:
         """Announce an operation whose input this rank rejected (it raises ``error`` itself), so that
@@ -248,13 +267,14 @@ class Engine:
             if self._closed is not None:
                 return
             name = self._name(name, kind)
-            if (process_set, name) in self._local:
-                return  # the name is in flight here: announcing again would replace that announcement
             announcement = Announcement(
                 kind, process_set=process_set, error=(type(error).__name__, f"{first_line(error)}")
             )
-            self._outbox.append((name, announcement))
-            self._cv.notify()
+            if (process_set, name) in self._local:
+                # Announced now, it would replace the announcement in flight: it waits its turn instead.
+                self._waiting.setdefault((process_set, name), collections.deque()).append((name, announcement, None))
+            else:
+                self._announce(name, announcement, None)
 
     def add_process_set(self, ranks: Tuple[int, ...]) -> Handle:
         """Register ``ranks`` as a set on every rank; the handle yields its id, or None for a duplicate."""
@@ -426,7 +446,9 @@ class Engine:
         with self._cv:
             self._closed = error
             failed = list(self._local.values()) + [r for r in self._executing if not r.handle.done()]
+            failed += [r for waiting in self._waiting.values() for _, _, r in waiting if r is not None]
             self._local.clear()
+            self._waiting.clear()
             self._executing = []
             join, self._join = self._join, None
         for request in failed:
@@ -490,6 +512,7 @@ class Engine:
             with self._cv:
                 # None: this rank rejected its input, is not in the set, or joined (contributes zeros)
                 request = self._local.pop((decision.process_set, decision.name), None)
+                self._announce_next((decision.process_set, decision.name))
             if decision.error is not None:
                 if request is not None:
                     request.handle.finish(error=rejection_error(decision.error_type, decision.error))

@@ -123,18 +123,23 @@ def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
     """The job's rendezvous store: a TCPStore served by rank 0 at ``addr:port`` (:func:`rendezvous_address`).
 
     Under torchrun the agent already serves the store on MASTER_PORT; every
-    worker is a client, and a prefix per restart keeps attempts apart.
+    worker is a client, and a prefix per restart keeps attempts apart. Where the
+    address is loopback (the whole job on this host: ``--nproc``, ``tb.spawn``, one-host
+    mpirun and horovodrun) rank 0 listens on loopback only: TCPStore itself listens
+    on every interface, where any host could read and write the job's keys.
     """
     import torch.distributed as dist
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    serves = env.rank == 0 and not agent_store
     try:
         store = dist.TCPStore(
             addr,
             port,
-            is_master=env.rank == 0 and not agent_store,
+            is_master=serves,
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
+            master_listen_fd=listen_on_loopback(addr, port) if serves and is_loopback(addr) else None,
         )
         return dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     except Exception as exc:  # noqa: BLE001 - torch raises several types here
@@ -149,19 +154,72 @@ def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
         ) from None
 
 
-def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
-    """Fail with both numbers, instead of waiting forever, when ranks were launched with different sizes.
+def listen_on_loopback(addr: str, port: int) -> int:
+    """A socket listening on the loopback address ``addr`` only, for TCPStore to serve on (its descriptor)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own: a restart binds at once
+        sock.bind((addr, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns it from here
 
-    Every rank writes the size it was launched with; rank 0 checks all of
+
+def launch_identity(environ=None) -> str:
+    """The launcher's name for this job: the same on each of its ranks, another for the next job.
+
+    torchrun's run id (unless its default "none"), SLURM's job and step, Open MPI's job id,
+    horovodrun's rendezvous server; "" where the launcher gives none (env://, ``--nproc``).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun run id {environ['TORCHELASTIC_RUN_ID']}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"SLURM job {environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '')}"
+    if environ.get("OMPI_MCA_ess_base_jobid") or environ.get("PMIX_NAMESPACE"):
+        return f"mpirun job {environ.get('OMPI_MCA_ess_base_jobid') or environ['PMIX_NAMESPACE']}"
+    if environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+        server = f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
+        return f"horovodrun at {server}"
+    return ""
+
+
+def claim_rank(store, env: LaunchEnv, addr: str, port: int, identity: str) -> None:
+    """Take this rank's place in the store, or fail at once when a process of another job holds it.
+
+    Two jobs given one MASTER_PORT meet in the first one's store: the second job's rank 0
+    cannot serve it (address in use), and without this its other ranks would join the
+    first job's ranks. Each rank claims its number once, with a token naming its process
+    and its job (:func:`launch_identity`); a claim already taken by another process means
+    another job. The same process joining again (after ``job.shutdown()``) keeps its claim.
+    """
+    token = f"{identity or 'a job'}, host {socket.gethostname()}, pid {os.getpid()}"
+    held = store.compare_set(f"trainbridge/rank/{env.rank}", "", token)
+    held = held.decode() if isinstance(held, bytes) else str(held)
+    if held != token:
+        raise UserError(
+            f"rank {env.rank} found its place in the rendezvous store at {addr}:{port} taken by another job's "
+            f"rank {env.rank} ({held}): two jobs share MASTER_PORT {port}; give each job its own MASTER_PORT"
+        )
+
+
+def agree_on_world_size(store, env: LaunchEnv, timeout: float, identity: str = "") -> None:
+    """Fail with both numbers, instead of waiting forever, when ranks were launched with different sizes
+    or by different jobs (``identity``: :func:`launch_identity`).
+
+    Every rank writes the size it was launched with and its job; rank 0 checks all of
     them, the others check rank 0's. A rank that never arrives ends in the
     store's timeout, which names the missing rank.
     """
     rank, world_size = env.rank, env.world_size
-    store.set(f"trainbridge/world_size/{rank}", str(world_size))
+    store.set(f"trainbridge/world_size/{rank}", f"{world_size} {identity}")
     for other in range(1, world_size) if rank == 0 else [0]:
         started = time.monotonic()
         try:
-            theirs = int(store.get(f"trainbridge/world_size/{other}"))
+            value = store.get(f"trainbridge/world_size/{other}")
         except Exception as exc:  # noqa: BLE001
             if time.monotonic() - started < timeout:  # the store went away: rank 0 failed
                 raise UserError(
@@ -172,6 +230,13 @@ def agree_on_world_size(store, env: LaunchEnv, timeout: float) -> None:
                 f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
                 f"expecting {world_size} processes); check that every rank was started"
             ) from exc
+        size, _, job = (value.decode() if isinstance(value, bytes) else str(value)).partition(" ")
+        if job != identity:
+            raise UserError(
+                f"rank {rank} of {identity or 'this job'} met rank {other} of {job or 'a job without a launcher id'} "
+                f"in one rendezvous store: two jobs share MASTER_PORT; give each job its own MASTER_PORT"
+            )
+        theirs = int(size)
         if theirs != world_size:
             if rank == 0:
                 time.sleep(2.0)  # keep the store up so that the other ranks can see the mismatch too
@@ -196,7 +261,9 @@ def join_process_group(env: LaunchEnv, pg_backend: str, timeout: float) -> None:
     if pg_backend == "gloo":
         choose_gloo_interface(env, addr)
     store = open_store(env, timeout, addr, port)
-    agree_on_world_size(store, env, timeout)
+    identity = launch_identity()
+    claim_rank(store, env, addr, port, identity)  # a rank of another job on this port is refused here
+    agree_on_world_size(store, env, timeout, identity)
     try:
         dist.init_process_group(
             pg_backend,

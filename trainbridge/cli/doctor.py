@@ -136,6 +136,14 @@ def is_this_host(host: str) -> bool:
     return host in (socket.gethostname(), socket.getfqdn()) or bool(set(resolve(host)) & (own - {"127.0.0.1"}))
 
 
+def ssh_command(host: str, ssh_port: Optional[int], me: str) -> List[str]:
+    """ssh to ``host`` running ``doctor --route-to me`` there; the host comes after ``--``, so that a
+    name like ``-oProxyCommand=...`` is read as a host (that resolves nowhere), never as an option."""
+    port = ["-p", str(ssh_port)] if ssh_port else []
+    remote = [sys.executable, "-m", "trainbridge", "doctor", "--route-to", me]
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *port, "--", host, *remote]
+
+
 def remote_interface(host: str, ssh_port: Optional[int]) -> Tuple[Optional[str], Optional[str]]:
     """(interface name on ``host`` towards this host, or None; why not)."""
     from ..launch.network import source_address_towards
@@ -143,23 +151,8 @@ def remote_interface(host: str, ssh_port: Optional[int]) -> Tuple[Optional[str],
     me = source_address_towards(host)
     if me is None:
         return None, f"no route to {host}"
-    cmd = [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "ConnectTimeout=5",
-        *(["-p", str(ssh_port)] if ssh_port else []),
-        host,
-        sys.executable,
-        "-m",
-        "trainbridge",
-        "doctor",
-        "--route-to",
-        me,
-    ]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        result = subprocess.run(ssh_command(host, ssh_port, me), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, str(exc)
     if result.returncode != 0 or not result.stdout.strip():
@@ -173,7 +166,15 @@ def host_problems(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
     from ..launch.network import gloo_interface_for
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    problems = host_checks.check_own_name(hosts) + host_checks.check_host_names(hosts)
+    # A name that starts with "-" is an option to ssh and to every launcher: never passed on.
+    problems = [
+        f"{h!r} is not a host name: it starts with '-', which ssh and the launchers read as an option; "
+        f"list host names separated by commas"
+        for h in hosts
+        if h.startswith("-")
+    ]
+    hosts = [h for h in hosts if not h.startswith("-")]
+    problems += host_checks.check_own_name(hosts) + host_checks.check_host_names(hosts)
     notes: List[str] = []
     interfaces: Dict[str, Optional[str]] = {}
     for host in hosts:

@@ -29,7 +29,7 @@ class Probe(torch.nn.Module):
 def averaged_gradient(backend, compression: str) -> float:
     model = Probe()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model, optimizer = backend.wrap(model, optimizer, GradientExchange(compression=compression))
+    model = backend.wrap(model, [optimizer], GradientExchange(compression=compression))
     optimizer.zero_grad()
     model(torch.tensor([G])).backward()
     backend.step(optimizer)

@@ -66,8 +66,8 @@ def test_nccl_without_cuda_is_refused_at_construction():
 
 def test_the_wrapped_model_still_looks_like_the_users_module(backend):
     module = Tagged()
-    model, optimizer = backend.wrap(module, None)
-    assert isinstance(model, PreparedDDP) and optimizer is None
+    model = backend.wrap(module)
+    assert isinstance(model, PreparedDDP)
     assert model.tag == "mine" and model.init_hidden(4).shape == (4, 2)  # attributes and methods forwarded
     assert list(model.state_dict()) == ["layer.weight", "layer.bias"]  # no "module." prefix
     model.load_state_dict({"layer.weight": torch.zeros(2, 3), "layer.bias": torch.ones(2)})
@@ -81,7 +81,8 @@ def test_gradients_after_backward_and_step_are_those_of_the_plain_model(backend)
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 2)
     module = copy.deepcopy(plain)
-    model, optimizer = backend.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = backend.wrap(module, [optimizer])
     reference = torch.optim.SGD(plain.parameters(), lr=0.1)
     for _step in range(3):
         x = torch.randn(8, 3)
@@ -98,7 +99,7 @@ def test_no_sync_accumulates_and_the_next_backward_adds_to_it(backend):
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 1)
     plain = copy.deepcopy(module)
-    model, _ = backend.wrap(module, None)
+    model = backend.wrap(module)
     first, second = torch.randn(4, 3), torch.randn(4, 3)
     with backend.no_sync(model):
         model(first).sum().backward()
@@ -112,7 +113,7 @@ def test_compression_averages_the_gradients_in_that_dtype(backend, compression, 
     torch.manual_seed(0)
     module = torch.nn.Linear(5, 1)
     plain = copy.deepcopy(module)
-    model, _ = backend.wrap(module, None, GradientExchange(compression=compression))
+    model = backend.wrap(module, (), GradientExchange(compression=compression))
     x = torch.randn(7, 5) * 3
     model(x).sum().backward()
     plain(x).sum().backward()
@@ -130,7 +131,7 @@ def test_a_forward_without_a_backward_before_the_next_is_one_line(backend):
         def forward(self, x):
             return self.used(x)
 
-    model, _ = backend.wrap(TwoHeads(), None)
+    model = backend.wrap(TwoHeads())
     model(torch.ones(1, 2)).sum().backward()  # self.unused got no gradient: the reduction never finished
     with pytest.raises(UserError, match="rank 0: the prepared model's previous forward pass never finished a "
                                         "backward pass.*find_unused_parameters=True"):
@@ -138,8 +139,8 @@ def test_a_forward_without_a_backward_before_the_next_is_one_line(backend):
 
 
 def test_find_unused_parameters_allows_a_part_of_the_model_to_sit_out(backend):
-    model, _ = backend.wrap(torch.nn.ModuleDict({"a": torch.nn.Linear(2, 1), "b": torch.nn.Linear(2, 1)}), None,
-                            GradientExchange(find_unused_parameters=True))
+    model = backend.wrap(torch.nn.ModuleDict({"a": torch.nn.Linear(2, 1), "b": torch.nn.Linear(2, 1)}), (),
+                         GradientExchange(find_unused_parameters=True))
     for _ in range(2):
         model.module["a"](torch.ones(1, 2)).sum().backward()  # through the module: DDP sees no forward at all
     assert model.module["b"].weight.grad is None

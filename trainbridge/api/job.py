@@ -37,9 +37,10 @@ from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
 from ..random_state import rng_state, seed_everything, set_rng_state
+from .compiled import keys_as_in, uncompiled, without_compiled_keys
 from .files import BackgroundWriter, host_copy, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader, dataset_size
-from .model_checks import check_freezing_spelled_right
+from .model_checks import check_freezing_spelled_right, check_optimizers, parameters_of
 from .process_end import current, excepthook, exit_process
 from .process_setup import set_threads, use_deterministic_kernels
 from .same_model import CHECK_EVERY, SameModelCheck
@@ -121,7 +122,8 @@ class Job:
         self.watchdog = watchdog or Watchdog(backend.timeout, backend.rank)
         self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
         self._writer = BackgroundWriter()
-        self._prepared: List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]] = []
+        # Each prepared model, as prepare returned it, with the optimizers prepared with it.
+        self._prepared: List[Tuple[torch.nn.Module, Tuple[torch.optim.Optimizer, ...]]] = []
         self._steps = 0  # job.step calls in this process, for the watchdog's line
         self._same_model = SameModelCheck(backend, check_every)
         self._trainable: List[TrainableSincePrepare] = []  # per prepared model, what prepare averaged
@@ -176,15 +178,15 @@ class Job:
     def prepare(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer] = None,
-        *,
+        *optimizers: Optional[torch.optim.Optimizer],
         amp: str = "off",
         compression: str = "none",
         shm_allreduce: str = "auto",
         find_unused_parameters: bool = False,
         sync_batchnorm: bool = False,
     ):
-        """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks.
+        """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks; ``(model, None)``
+        without an optimizer, ``(model, opt1, opt2, ...)`` with several.
 
         Every rank leaves with rank 0's weights. After each backward pass that
         reaches the model (outside :meth:`no_sync`), its gradients are the average
@@ -193,6 +195,11 @@ class Job:
         generator and discriminator each with its optimizer); the returned model
         keeps the module's attributes, methods and state_dict keys. Build a
         scheduler after this call (schedulers patch ``optimizer.step``).
+
+        Several optimizers of one model (``SparseAdam`` for ``nn.Embedding(sparse=True)``
+        tables beside ``Adam`` for the rest) go to one call, each checked to be the same
+        on every rank and given rank 0's state; each parameter belongs to one of them.
+        Sparse gradients are averaged as sparse tensors on every backend, so they stay sparse.
 
         ``amp``: off, bf16 or fp16 (fp16 adds a GradScaler, used by :meth:`backward`,
         :meth:`clip_grad_norm_` and :meth:`step`), the same for every model.
@@ -215,38 +222,41 @@ class Job:
             find_unused_parameters=find_unused_parameters,
             waiting=self._waiting,
         )
-        if any(model is prepared or self.unwrap(prepared) is model for prepared, _ in self._prepared):
+        if any(self.unwrap(model) is self.unwrap(prepared) for prepared, _ in self._prepared):
             raise UserError(
                 "job.prepare: this model was already prepared; prepare each model once and keep using "
                 "the model it returned",
                 quiet=not self.is_main,
             )
-        check_freezing_spelled_right(model)
+        check_freezing_spelled_right(uncompiled(model))
+        given = check_optimizers(uncompiled(model), optimizers, [o for _, held in self._prepared for o in held])
         with self._waiting("job.prepare"):
-            model, optimizer = self._prepare(model, optimizer, amp, exchange, sync_batchnorm)
+            model = self._prepare(model, optimizers, amp, exchange, sync_batchnorm)
         self._trainable.append(TrainableSincePrepare(self.unwrap(model), find_unused_parameters))
         if self._seed_per_rank_at_prepare is not None:  # see set_seed
             seed_everything(self._seed_per_rank_at_prepare + self.rank)
             self._seed_per_rank_at_prepare = None
-        self._prepared.append((model, optimizer))
-        return model, optimizer
+        self._prepared.append((model, tuple(given)))
+        return (model, *optimizers) if len(optimizers) > 1 else (model, optimizers[0] if optimizers else None)
 
     def _prepare(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizers: Sequence[Optional[torch.optim.Optimizer]],
         amp: str,
         exchange: GradientExchange,
         sync_batchnorm: bool = False,
     ):
         self.backend.check_same_on_every_rank(
             "the model's parameters",
-            {n: tuple(p.shape) for n, p in model.named_parameters()},
+            {n: tuple(p.shape) for n, p in uncompiled(model).named_parameters()},
             "build the same model on every rank",
         )
-        if optimizer is not None:
+        for n, optimizer in enumerate(optimizers, start=1):
+            if optimizer is None:
+                continue
             self.backend.check_same_on_every_rank(
-                "the optimizer",
+                "the optimizer" if len(optimizers) == 1 else f"optimizer {n}",
                 {
                     "type": type(optimizer).__name__,
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
@@ -282,11 +292,19 @@ class Job:
         # Before the backend wraps the model (DDP registers the modules it is given): BatchNorm layers that
         # sum their statistics over the ranks, all of them with sync_batchnorm, else those meant to.
         model = synchronize_batchnorm(model, self.backend.sum_over_ranks, every_batchnorm=sync_batchnorm)
-        return self.backend.wrap(model.to(self.device), optimizer, exchange)
+        return self.backend.wrap(model.to(self.device), [o for o in optimizers if o is not None], exchange)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module, without the DDP wrapper (state_dict keys without "module.")."""
-        return self.backend.unwrap(model)
+        """The user's module, without the DDP wrapper and ``torch.compile``'s, before or after :meth:`prepare`.
+
+        Its state_dict keys have neither "module." nor "_orig_mod.".
+        """
+        return uncompiled(self.backend.unwrap(uncompiled(model)))
+
+    def _as_prepared(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model :meth:`prepare` returned for ``model`` (compiled after it, or not), else ``model``."""
+        user_module = self.unwrap(model)
+        return next((prepared for prepared, _ in self._prepared if self.unwrap(prepared) is user_module), model)
 
     def autocast(self):
         """Mixed precision per ``prepare(amp=...)``; a no-op when amp is off."""
@@ -307,7 +325,8 @@ class Job:
         user_module = self.unwrap(model)
         self._accumulating.append(user_module)
         try:
-            with self.backend.no_sync(model):
+            # The backend knows the model as prepare returned it, not a torch.compile wrapper around it.
+            with self.backend.no_sync(self._as_prepared(model)):
                 yield
         finally:
             self._accumulating.remove(user_module)
@@ -345,8 +364,9 @@ class Job:
         )
         if self.scaler is not None:
             ids = {id(p) for p in params}
-            for _, optimizer in self._prepared:
-                if optimizer is not None and any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+            holding = {id(o): o for _, held in self._prepared for o in held}  # once each, also if in two prepares
+            for optimizer in holding.values():
+                if any(id(p) in ids for p in parameters_of(optimizer)):
                     self.scaler.unscale_(optimizer)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
@@ -620,7 +640,7 @@ class Job:
 
     def _state_of(self, value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
-            return self.unwrap(value).state_dict()
+            return without_compiled_keys(self.unwrap(value).state_dict())
         return value.state_dict() if hasattr(value, "state_dict") else value
 
     def load(self, path: str, into: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -646,14 +666,15 @@ class Job:
                     f"load it into the same keys it was saved with"
                 )
             if isinstance(value, torch.nn.Module):
-                mismatch = state_mismatch(self.unwrap(value), saved[key])
+                state = keys_as_in(saved[key], self.unwrap(value))  # saved from a compiled model or not
+                mismatch = state_mismatch(self.unwrap(value), state)
                 if mismatch:
                     raise UserError(
                         f"{source}'s {key!r} is for another model: {mismatch}; load it into the model "
                         f"it was saved from",
                         quiet=not self.is_main,
                     )
-                self.unwrap(value).load_state_dict(saved[key])
+                self.unwrap(value).load_state_dict(state)
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(saved[key])
             else:

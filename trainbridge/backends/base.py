@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set, Tuple, TypeVar
 
 import torch
 
@@ -55,6 +55,13 @@ class GradientExchange:
 
 
 T = TypeVar("T")
+
+
+def sparse_gradient_parameters(model: torch.nn.Module) -> Set[torch.nn.Parameter]:
+    """The parameters whose gradients are sparse tensors: those of ``nn.Embedding`` and ``nn.EmbeddingBag``
+    with ``sparse=True``, as DDP finds them (``expect_sparse_gradient``)."""
+    sparse = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return {p for m in model.modules() if isinstance(m, sparse) and m.sparse for p in m.parameters(recurse=False)}
 
 
 def first_difference(values: List[Any], where: str = "") -> Tuple[str, List[Any]]:
@@ -135,14 +142,15 @@ class Backend(abc.ABC):
     def wrap(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         exchange: GradientExchange = GradientExchange(),
-    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    ) -> torch.nn.Module:
         """Average ``model``'s gradients over all ranks by the end of each backward pass, as ``exchange`` says.
 
-        Every rank leaves with identical parameters and optimizer state. The
-        returned model has the user's attributes, methods and state_dict keys.
-        ``optimizer`` is None where ``Job.prepare`` was given none, and comes back so.
+        Every rank leaves with identical parameters and state in each of ``optimizers`` (none, one,
+        or several: SparseAdam for the embeddings beside Adam for the rest), which the caller keeps
+        using. The returned model has the user's attributes, methods and state_dict keys. A sparse
+        gradient (:func:`sparse_gradient_parameters`) is averaged as a sparse tensor, so it stays sparse.
         """
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 
@@ -154,9 +154,9 @@ class HorovodBackend(Backend):
     def wrap(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         exchange: GradientExchange = GradientExchange(),
-    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    ) -> torch.nn.Module:
         hvd = self.hvd
         if exchange.shm_allreduce == "on":
             raise UserError(
@@ -170,6 +170,10 @@ class HorovodBackend(Backend):
             # others of the same cycle), in the dtype of the compression; the end of the
             # backward pass waits for all of them, as DDP does (see grad_hooks).
             def start_average(tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+                if tensor.is_sparse:
+                    # Horovod: a sparse gradient (nn.Embedding(sparse=True)) is an allgather of every rank's
+                    # rows (indices and values), divided by the size: the average, still sparse.
+                    return hvd.sparse_allreduce_async(tensor, name=name, op=hvd.Average)
                 compressed, ctx = compression.compress(tensor)
                 handle = hvd.allreduce_async_(compressed, name=name, op=hvd.Average)
                 return lambda: compression.decompress(hvd.synchronize(handle), ctx)
@@ -187,13 +191,14 @@ class HorovodBackend(Backend):
             # No collectives outside hvd.elastic.run: a worker that joins later would
             # meet the others in the wrong operation. The elastic state sync sends
             # rank 0's weights and optimizer state to every worker instead.
-            return model, optimizer
+            return model
         # Horovod: start every rank from rank 0's weights (and buffers).
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        # Horovod: make optimizer state (e.g. after a resume) identical on all ranks.
-        if optimizer is not None and optimizer.state_dict()["state"]:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        return model, optimizer
+        # Horovod: make each optimizer's state (e.g. after a resume) identical on all ranks.
+        for optimizer in optimizers:
+            if optimizer.state_dict()["state"]:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return model
 
     def no_sync(self, model: torch.nn.Module):
         average = self._averages.get(model)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Sequence
 
 import torch
 
@@ -30,11 +30,11 @@ class LocalBackend(Backend):
     def wrap(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         exchange: GradientExchange = GradientExchange(),
-    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
-        # One process: no gradients travel, so there is nothing to compress or defer.
-        return model, optimizer
+    ) -> torch.nn.Module:
+        # One process: no gradients travel, so there is nothing to compress or defer (sparse ones stay as they are).
+        return model
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         assert op in REDUCE_OPS, op

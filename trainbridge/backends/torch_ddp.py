@@ -9,9 +9,10 @@ disagree fail with both numbers instead of waiting forever.
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import UserError, first_line
 from ..launch.rendezvous import join_process_group
 from ..runtime.gloo_threads import keep_thread_states
-from .base import REDUCE_OPS, Backend, GradientExchange
+from .base import REDUCE_OPS, Backend, GradientExchange, sparse_gradient_parameters
 from .shm_allreduce import MAILBOX_VALUES, ShmAllreduce, chunk_bytes
 
 
@@ -37,6 +38,21 @@ def bf16_compress_hook_gloo(process_group, bucket):  # no annotations: DDP check
         return buffer
 
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def sparse_uncompressed(hook):
+    """``hook`` for dense buckets; a sparse one (a sparse gradient) averaged uncompressed, as DDP does without a hook.
+
+    The compression hooks cannot reduce sparse tensors (gloo adds no sparse fp16), and a sparse
+    gradient already sends only the rows a batch used.
+    """
+
+    def hook_or_average(process_group, bucket):  # no annotations: DDP checks them as objects
+        if bucket.buffer().is_sparse:
+            return default_hooks.allreduce_hook(process_group, bucket)
+        return hook(process_group, bucket)
+
+    return hook_or_average
 
 
 def shm_average_hook(shm: ShmAllreduce, bucket):
@@ -87,7 +103,17 @@ class PreparedDDP(DistributedDataParallel):
 
     _waiting: Callable[[str], ContextManager[None]]  # set by TorchBackend.wrap: the job's watchdog
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> torch.nn.Module:
+        # A copy (an EMA model, AveragedModel) is a copy of the module given to prepare, not a second DDP:
+        # that would need a process group and reducer of its own, and its gradients are never averaged.
+        return copy.deepcopy(self.module, memo)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile (compiled after prepare): DDP's forward alone, as torch.compile(DDP(...))
+            # traces it. The watchdog's clock would break the graph, so this wait is bounded by the process
+            # group's timeout alone, which names no call.
+            return super().forward(*args, **kwargs)
         # DDP's forward waits for the other ranks once: at the second training step every rank takes
         # rank 0's bucket order. A rank whose peers went to another collective waits here, so it is named.
         try:
@@ -158,9 +184,9 @@ class TorchBackend(Backend):
     def wrap(
         self,
         model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         exchange: GradientExchange = GradientExchange(),
-    ) -> Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    ) -> torch.nn.Module:
         # DDP broadcasts rank 0's parameters and buffers at construction, then
         # averages gradients in buckets that overlap the backward pass.
         # gradient_as_bucket_view avoids one gradient copy per step.
@@ -171,6 +197,8 @@ class TorchBackend(Backend):
         # (frozen BatchNorm layers, in eval mode, never change theirs), and rank
         # 0's buffers, the only ones saved, are the same either way. Every rank gets
         # rank 0's buffers before each evaluation (sync_buffers), as with Horovod.
+        # A sparse gradient (nn.Embedding(sparse=True)) is a bucket of its own, allreduced sparse by gloo
+        # and divided by the world size: it stays sparse.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = PreparedDDP(
             model,
@@ -184,12 +212,12 @@ class TorchBackend(Backend):
         if exchange.compression != "none":
             # Each bucket is divided by the world size, cast to fp16/bf16, allreduced
             # (half the bytes on the wire) and cast back into the fp32 gradients.
-            ddp.register_comm_hook(None, _COMPRESS_HOOKS[exchange.compression, self.pg_backend])
+            ddp.register_comm_hook(None, sparse_uncompressed(_COMPRESS_HOOKS[exchange.compression, self.pg_backend]))
         elif shm is not None:
             # Ranks on one CPU host add each other's buckets in shared memory:
             # no loopback TCP, no gloo threads competing with compute.
             ddp.register_comm_hook(shm, shm_average_hook)
-        return ddp, optimizer
+        return ddp
 
     def _shared_memory_exchange(self, model: torch.nn.Module, exchange: GradientExchange) -> "ShmAllreduce | None":
         """The shared-memory gradient exchange of ``shm_allreduce``, or None for gloo/nccl.
@@ -205,6 +233,8 @@ class TorchBackend(Backend):
             why = "the gradients are on GPUs (nccl has its own shared-memory transport)"
         elif compression != "none":
             why = f'compression="{compression}" sends gradients through gloo'
+        elif sparse_gradient_parameters(model):
+            why = "the model has sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True)"
         elif self.env.local_size != self.world_size:
             why = f"the ranks are on several hosts ({self.env.local_size} of {self.world_size} on this one)"
         shm = None

@@ -162,14 +162,16 @@ def train_here(args: List[str]) -> subprocess.CompletedProcess:
     For the checks of what one process trains, resumes or refuses, where the process itself is not the
     point: a launched ``python`` spends about 6 CPU-s on importing torch and torch._dynamo before its first
     step, which this process has already paid. What the run changes in this process is put back as its
-    end would: the exception hook, the SIGTERM handler, the thread count, the random generators, the environment,
-    and the output folder's lock (held until a process ends, so that a later launch there finds it free).
+    end would: the exception hook, the SIGTERM, SIGINT and SIGHUP handlers, the thread count, the random
+    generators, the environment, and the output folder's lock (held until a process ends, so that a later
+    launch there finds it free).
     A process's own end (``exit_process``, a signal, a bug's traceback) is what :func:`plain` runs check.
     """
     from trainbridge.cli.train import main as train_main
     from trainbridge.training import checkpoint
 
-    hook, sigterm, threads = sys.excepthook, signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    hook, threads = sys.excepthook, torch.get_num_threads()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     rngs = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
     locks = set(checkpoint._held)
     streams, fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
@@ -195,7 +197,8 @@ def train_here(args: List[str]) -> subprocess.CompletedProcess:
             os.environ.clear()
             os.environ.update(environ)
             sys.excepthook = hook
-            signal.signal(signal.SIGTERM, sigterm)
+            for signum, handler in handlers.items():  # the stop agreement's (job.should_stop)
+                signal.signal(signum, handler)
             torch.set_num_threads(threads)
             torch.random.set_rng_state(rngs[0])
             np.random.set_state(rngs[1])

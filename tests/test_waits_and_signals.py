@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PYTHON, TORCHRUN, Job, env_ranks, run, torchrun
+import torch
+from conftest import PLAIN_SGD, PYTHON, SAMPLE, TORCHRUN, Job, env_ranks, run, torchrun
 
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.launch.rendezvous import free_port
@@ -148,6 +149,22 @@ def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_p
     while alive(workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(workers)
+
+
+def test_ctrl_c_to_a_torchrun_job_stops_every_rank_at_one_step_with_its_checkpoint(tmp_path):
+    # Ctrl-C: SIGINT to the terminal's whole process group, torchrun's agent and every worker. Before: a
+    # KeyboardInterrupt traceback from each worker, and no stop checkpoint.
+    args = SAMPLE + PLAIN_SGD + ["--epochs", "30", "--threads", "1", "--output-dir", str(tmp_path)]
+    job = Job(torchrun(2, args), tmp_path / "log")
+    job.wait_for_output("epoch 1 step", timeout=120)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert job.wait(timeout=90) != 0
+    log = job.output()
+    assert "KeyboardInterrupt" not in log, log[-3000:]
+    stops = re.findall(r"stopped by SIGINT after step (\d+)", log)
+    assert len(stops) == 1, log[-3000:]
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == int(stops[0])
+    assert not (tmp_path / "final.pt").exists()
 
 
 # Another program where others check it under torchrun in make test: a loop with DataLoader workers (above, and

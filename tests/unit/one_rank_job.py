@@ -1,8 +1,8 @@
 """A one-rank job in the test process itself: torch.distributed's gloo group on loopback,
 started through the ``env://`` variables (RANK=0, WORLD_SIZE=1, ...), as a launcher would.
 
-``tb.init`` changes the whole process (``sys.excepthook``, the SIGTERM handler, intra-op
-threads) and joins one process group at a time: :func:`one_rank_job` puts all of it back
+``tb.init`` changes the whole process (``sys.excepthook``, the SIGTERM, SIGINT and SIGHUP handlers,
+intra-op threads) and joins one process group at a time: :func:`one_rank_job` puts all of it back
 when the block ends, so that a module-scoped fixture can share one job among its tests.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from conftest import inherited_launcher_variables
 
 import trainbridge as tb
+from trainbridge.api.stop import STOP_SIGNALS
 from trainbridge.launch.rendezvous import free_port
 
 
@@ -39,7 +40,8 @@ def one_rank_env() -> Iterator[pytest.MonkeyPatch]:
 @contextlib.contextmanager
 def one_rank_job(**init_options) -> Iterator[tb.Job]:
     """``tb.init(backend="torch")`` for the block; then ``job.shutdown()`` and the process as it was."""
-    hook, sigterm, threads = sys.excepthook, signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    hook, threads = sys.excepthook, torch.get_num_threads()
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         with one_rank_env():
             job = tb.init(backend="torch", timeout=60.0, malloc_tuning="off", **init_options)
@@ -49,6 +51,7 @@ def one_rank_job(**init_options) -> Iterator[tb.Job]:
                 job.shutdown()
     finally:
         sys.excepthook = hook
-        signal.signal(signal.SIGTERM, sigterm)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         torch.set_num_threads(threads)
         assert not dist.is_initialized()

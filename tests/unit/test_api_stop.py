@@ -10,7 +10,7 @@ import pytest
 import torch
 from python_child import run_python
 
-from trainbridge.api.stop import FOR_PEERS, WATCHDOG_EXIT_CODE, StopSignal, Watchdog
+from trainbridge.api.stop import FOR_PEERS, STOP_SIGNALS, WATCHDOG_EXIT_CODE, StopSignal, Watchdog
 
 NEVER = 3600.0  # a timeout no test here reaches: the watchdog thread must not end pytest
 
@@ -99,13 +99,15 @@ def test_expect_arms_with_its_own_limit_and_disarm_ends_it():
 # ----- StopSignal -------------------------------------------------------------------------------
 @pytest.fixture
 def sigterm_handler_restored(monkeypatch):
-    """Puts pytest's SIGTERM handler back; a handler that would kill pytest (os.kill of itself) raises instead."""
+    """Puts pytest's SIGTERM, SIGINT and SIGHUP handlers back; a handler that would kill pytest (os.kill of
+    itself) raises instead."""
     def refuse(pid, signum):
         raise AssertionError(f"the handler sent signal {signum} to pid {pid}")
     monkeypatch.setattr(os, "kill", refuse)
-    before = signal.getsignal(signal.SIGTERM)
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     yield
-    signal.signal(signal.SIGTERM, before)
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 class PeersFlags:
@@ -131,7 +133,8 @@ def test_the_flag_is_read_one_step_late_and_then_every_step(sigterm_handler_rest
     assert stop.agreed() is True  # step 2: reads the "yes"
     assert stop.agreed() is True and stop.drain() is True  # and stays stopped
     assert [(t.tolist(), op, name) for t, op, name in allreduce.calls] == [([0.0], "max", "stop_signal"),
-                                                                           ([1.0], "max", "stop_signal")]
+                                                                           ([15.0], "max", "stop_signal")]
+    assert stop.name == "SIGTERM"
 
 
 def test_a_peers_sigterm_stops_this_rank_at_the_same_step(sigterm_handler_restored):
@@ -152,6 +155,36 @@ def test_drain_finishes_the_agreement_in_flight(sigterm_handler_restored):
     assert stop.drain() is False and stop.pending is None
     stop.agreed()
     assert stop.drain() is True
+
+
+def test_ctrl_c_and_a_hang_up_stop_like_sigterm_once_the_loop_asks_and_the_agreed_one_is_named(
+        sigterm_handler_restored):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a script
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    allreduce = PeersFlags()
+    stop = StopSignal(allreduce)
+    with pytest.raises(KeyboardInterrupt):  # before the loop asks: Ctrl-C as without trainbridge
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    with pytest.raises(AssertionError, match=f"sent signal {signal.SIGHUP}"):  # death by SIGHUP
+        signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)
+    signal.signal(signal.SIGHUP, stop._on_sigterm)
+    assert stop.agreed() is False
+    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)  # the first one received is the one sent
+    assert stop.agreed() is False and stop.agreed() is True and stop.name == "SIGINT"
+    allreduce.peer = float(signal.SIGTERM)  # a peer's SIGTERM: every rank names the largest number
+    other = StopSignal(allreduce)
+    other.agreed()
+    assert other.agreed() is True and other.name == "SIGTERM"
+
+
+def test_an_ignored_or_own_sigint_and_sighup_are_left_alone(sigterm_handler_restored):
+    def own(signum, frame):
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # tb.spawn's workers, nohup
+    signal.signal(signal.SIGHUP, own)
+    StopSignal(PeersFlags())
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGHUP) is own
 
 
 def test_a_sigterm_before_the_loop_ever_asked_kills_the_process_as_without_trainbridge():

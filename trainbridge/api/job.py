@@ -120,7 +120,7 @@ class Job:
         self.amp = "off"
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.watchdog = watchdog or Watchdog(backend.timeout, backend.rank)
-        self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM handler now
+        self._stop = StopSignal(backend.allreduce_async)  # installs the SIGTERM (SIGINT, SIGHUP) handler now
         self._writer = BackgroundWriter()
         # Each prepared model, as prepare returned it, with the optimizers prepared with it.
         self._prepared: List[Tuple[torch.nn.Module, Tuple[torch.optim.Optimizer, ...]]] = []
@@ -523,13 +523,20 @@ class Job:
 
     # ----- stopping together ----------------------------------------------------
     def should_stop(self) -> bool:
-        """Call once per step on every rank: True on all of them at the same step once any got SIGTERM.
+        """Call once per step on every rank: True on all of them at the same step once any got SIGTERM
+        (or SIGINT or SIGHUP, where those have their default action: Ctrl-C, a closed terminal).
 
         The answer is one step late (the agreement runs in the background), so a
         preempted loop saves a checkpoint and leaves at most one step after the signal.
         """
         with self._waiting("job.should_stop (the stop agreement)"):
             return self._stop.agreed()
+
+    @property
+    def stop_signal(self) -> str:
+        """The signal this rank received first ("SIGTERM", "SIGINT" or "SIGHUP"), for the stop line; "SIGTERM"
+        on a rank that got none (a peer's signal stopped it)."""
+        return self._stop.name
 
     def drain_stop(self) -> bool:
         """Finish the agreement in flight (before a collective of another kind, e.g. evaluation)."""

@@ -1,6 +1,7 @@
 """Stopping together: the SIGTERM agreement, and the watchdog on waits for the other ranks.
 
-SIGTERM, as sent by SLURM before a time limit or by Kubernetes before eviction,
+SIGTERM, as sent by SLURM before a time limit or by Kubernetes before eviction (and
+SIGINT and SIGHUP, a terminal's Ctrl-C and hang-up, where they have their default action),
 sets a flag, once the loop has asked for it (:meth:`StopSignal.agreed`, that is
 ``job.should_stop()``); before that, and in a loop that never asks, it ends the
 process as it would without trainbridge. Ranks must agree on the step at which they stop, or one would wait
@@ -18,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -36,21 +37,40 @@ FOR_WORKERS = (
 )
 
 
+# Besides SIGTERM, the signals of a terminal: Ctrl-C reaches every process of a torchrun job
+# (SIGINT), closing the terminal too (SIGHUP). Each is taken over only where it has its default
+# action: an ignored one (nohup, tb.spawn's workers) or a handler of the script's own stays.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignal:
     def __init__(self, allreduce_async: Callable[[torch.Tensor, str, str], Callable[[], torch.Tensor]]) -> None:
         self.allreduce_async = allreduce_async
         self.received = False
+        self.signum = 0  # the first signal received
+        self.name = "SIGTERM"  # the signal the ranks agreed on, for the stop line: the same on every rank
         self.asked = False  # the loop calls should_stop(): it will stop cleanly on the flag
         self.pending: Optional[Callable[[], torch.Tensor]] = None
         self.stopping = False  # every rank has read a "stop" from the agreement
+        self.previous: Dict[int, Any] = {}  # each taken signal's handler before, for a loop that never asks
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            for signum in STOP_SIGNALS:
+                before = signal.getsignal(signum)
+                if signum == signal.SIGTERM or before in (signal.SIG_DFL, signal.default_int_handler):
+                    self.previous[signum] = before
+                    signal.signal(signum, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if not self.asked:  # nobody would read the flag: the signal's own default, death by SIGTERM
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if not self.asked:  # nobody would read the flag: what the signal did without trainbridge
+            before = self.previous.get(signum, signal.SIG_DFL)
+            if callable(before):  # SIGINT's KeyboardInterrupt
+                before(signum, frame)
+                return
+            signal.signal(signum, signal.SIG_DFL)  # death by the signal
+            os.kill(os.getpid(), signum)
             return
+        if not self.received:
+            self.signum = signum
         self.received = True
 
     def agreed(self) -> bool:
@@ -58,7 +78,9 @@ class StopSignal:
         self.asked = True
         if self.drain() or self.stopping:  # once agreed, on every rank: a loop that missed it stops now
             return True
-        self.pending = self.allreduce_async(torch.tensor([1.0 if self.received else 0.0]), "max", "stop_signal")
+        # The flag is the signal's number (SIGHUP 1, SIGINT 2, SIGTERM 15): every rank learns one to name.
+        flag = float(self.signum or signal.SIGTERM) if self.received else 0.0
+        self.pending = self.allreduce_async(torch.tensor([flag]), "max", "stop_signal")
         return False
 
     def abandon(self) -> None:
@@ -68,7 +90,9 @@ class StopSignal:
     def drain(self) -> bool:
         """Finish the allreduce in flight; whether it said stop."""
         if self.pending is not None:
-            self.stopping = self.stopping or bool(self.pending()[0] > 0)
+            agreed = int(self.pending()[0])
+            if agreed > 0 and not self.stopping:
+                self.stopping, self.name = True, signal.Signals(agreed).name
             self.pending = None
         return self.stopping
 

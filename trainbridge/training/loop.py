@@ -256,7 +256,7 @@ def train(cfg: TrainConfig, job: Job) -> Row:
                     loss_check.check(diverged)
                     save_checkpoint(cfg, job, state, background=False)  # on disk before the exit
                     raise Preempted(
-                        f"stopped by SIGTERM after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
+                        f"stopped by {job.stop_signal} after step {p.step}; wrote {cfg.output_dir}/{LAST}; "
                         f"launch the same command again to resume"
                     )
                 if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:

@@ -94,6 +94,87 @@ def test_an_unknown_amp_is_one_line(job):
     assert job.amp == "off"
 
 
+class Recommender(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(6, 3, sparse=True)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, ids):
+        return self.head(self.table(ids)).square().mean()
+
+
+def test_several_optimizers_come_back_in_order_and_a_sparse_gradient_stays_sparse(job):
+    torch.manual_seed(2)
+    module = Recommender()
+    plain = copy.deepcopy(module)
+    sparse_opt, dense_opt = torch.optim.SparseAdam([module.table.weight], lr=0.1), torch.optim.Adam(
+        module.head.parameters(), lr=0.1)
+    model, first, second = job.prepare(module, sparse_opt, dense_opt)
+    assert first is sparse_opt and second is dense_opt
+    references = torch.optim.SparseAdam([plain.table.weight], lr=0.1), torch.optim.Adam(plain.head.parameters(), lr=0.1)
+    for ids in ([1, 4, 4], [0, 5, 1], [2, 2, 3]):
+        for opt in (sparse_opt, dense_opt, *references):
+            opt.zero_grad()
+        job.backward(model(torch.tensor(ids)))
+        assert module.table.weight.grad.is_sparse
+        job.step(sparse_opt)
+        job.step(dense_opt)
+        plain(torch.tensor(ids)).backward()
+        for opt in references:
+            opt.step()
+    for ours, theirs in zip(module.parameters(), plain.parameters()):
+        assert torch.equal(ours, theirs)
+
+
+def test_prepare_returns_the_shape_it_was_given(job):
+    alone = job.prepare(torch.nn.Linear(1, 1))
+    assert len(alone) == 2 and alone[1] is None
+    assert job.prepare(torch.nn.Linear(1, 1), None)[1] is None
+    module = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    one = job.prepare(module, optimizer)
+    assert len(one) == 2 and one[1] is optimizer
+
+
+def test_clip_grad_norm_unscales_every_optimizer_holding_the_parameters(job):
+    torch.manual_seed(3)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    plain = copy.deepcopy(module)
+    model, _, _ = job.prepare(module, torch.optim.SGD(module[0].parameters(), lr=0.1),
+                              torch.optim.SGD(module[1].parameters(), lr=0.1))
+    job.scaler = torch.amp.GradScaler("cpu", init_scale=8.0)  # as prepare(amp="fp16") makes it
+    try:
+        x = torch.randn(5, 3)
+        job.backward(model(x).sum())
+        norm = job.clip_grad_norm_(model, max_norm=1e9)
+    finally:
+        job.scaler = None
+    plain(x).sum().backward()
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+    for ours, theirs in zip(module.parameters(), plain.parameters()):
+        assert torch.equal(ours.grad, theirs.grad)  # both optimizers' gradients unscaled
+
+
+def test_a_parameter_in_two_optimizers_or_an_argument_that_is_not_one_is_one_line(job):
+    module = torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True), torch.nn.Linear(2, 1))
+    table = torch.optim.SparseAdam(module[0].parameters())
+    with pytest.raises(UserError, match=r"job\.prepare: the parameter '0\.weight' is in optimizer 1 and in "
+                                        r"optimizer 2, so each step would update it twice; give each parameter to one"):
+        job.prepare(module, torch.optim.Adam(module.parameters()), table)
+    loader = torch.utils.data.DataLoader(TensorDataset(torch.ones(2, 1)))
+    with pytest.raises(UserError, match=r"optimizer 2 is a DataLoader, not an optimizer; .*job\.train_loader"):
+        job.prepare(module, table, loader)
+    job.prepare(module, table, torch.optim.Adam(module[1].parameters()))  # refused before anything was prepared
+    other = torch.nn.Linear(2, 1)
+    with pytest.raises(UserError, match=r"the parameter of shape \(4, 2\) is in an optimizer given to an earlier "
+                                        r"job\.prepare and in optimizer 1"):
+        job.prepare(other, torch.optim.SGD([*other.parameters(), module[0].weight], lr=0.1))
+    # A parameter of a model not prepared (a GAN's other network, a loss's own weights) is allowed.
+    extra = torch.nn.Parameter(torch.zeros(1))
+    job.prepare(other, torch.optim.SGD([*other.parameters(), extra], lr=0.1))
+
+
 # ----- collectives ------------------------------------------------------------------------------
 def test_collectives_of_one_rank(job):
     tensor = torch.tensor([2.0, -1.0])

@@ -122,6 +122,34 @@ def test_compression_averages_the_gradients_in_that_dtype(backend, compression, 
     assert not torch.equal(module.weight.grad, plain.weight.grad)
 
 
+class Recommender(torch.nn.Module):
+    """A sparse table (its gradient a sparse tensor) and a dense layer after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(6, 3, sparse=True)
+        self.out = torch.nn.Linear(3, 1)
+
+    def forward(self, ids):
+        return self.out(self.table(ids)).sum()
+
+
+@pytest.mark.parametrize("compression, dtype", [("none", None), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_a_sparse_gradient_stays_sparse_and_travels_uncompressed(backend, compression, dtype):
+    torch.manual_seed(0)
+    module = Recommender()
+    plain = copy.deepcopy(module)
+    model = backend.wrap(module, (), GradientExchange(compression=compression))
+    ids = torch.tensor([1, 4, 4, 0])
+    model(ids).backward()
+    plain(ids).backward()
+    grad = module.table.weight.grad
+    assert grad.is_sparse and torch.equal(grad.to_dense(), plain.table.weight.grad.to_dense())  # not rounded
+    expected = plain.out.weight.grad if dtype is None else plain.out.weight.grad.to(dtype).float()
+    assert torch.equal(module.out.weight.grad, expected)  # the dense bucket as the compression says
+    torch.optim.SparseAdam([module.table.weight]).step()  # which refuses a dense gradient
+
+
 def test_a_forward_without_a_backward_before_the_next_is_one_line(backend):
     class TwoHeads(torch.nn.Module):
         def __init__(self):

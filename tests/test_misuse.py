@@ -88,6 +88,10 @@ RANK_DIVERGENT = {
     "batch-size": r"train_loader: the ranks disagree at \['batch_size'\] \(rank 0: 10; rank 1: 11\)",
     "lr": r"the optimizer: the ranks disagree at \['param_groups'\]\[0\]\['lr'\] \(rank 0: 0\.1; rank 1: 0\.2\)",
     "optimizer": r"the optimizer: the ranks disagree at \['type'\] \(rank 0: 'SGD'; rank 1: 'Adam'\)",
+    "second-optimizer": r"optimizer 2: the ranks disagree at \['param_groups'\]\[0\]\['lr'\] "
+                        r"\(rank 0: 0\.1; rank 1: 0\.2\)",
+    "shm-on-sparse": r'shm_allreduce="on" is not possible: the model has sparse gradients \(nn\.Embedding or '
+                     r'nn\.EmbeddingBag with sparse=True\); use shm_allreduce="auto" or shm_allreduce="off"',
     "compression": (r"job\.prepare's options: the ranks disagree at \['compression'\] "
                     r"\(rank 0: 'none'; rank 1: 'fp16'\)"),
     "shapes": r"the model's parameters: the ranks disagree at \['0\.weight'\] \(rank 0: \(8, 4\); rank 1: \(9, 4\)\)",

@@ -1,7 +1,8 @@
 """Mistakes a user's loop makes, one per mode; each must end in one line ``trainbridge: error: ...``.
 
 Rank-divergent inputs (run under a launcher with 2 ranks):
-    dataset-size, seed, batch-size, lr, optimizer, compression, shapes, allreduce-dtype, allreduce-shape,
+    dataset-size, seed, batch-size, lr, optimizer, second-optimizer, compression, shapes, allreduce-dtype,
+    allreduce-shape, shm-on-sparse (shm_allreduce="on" for sparse gradients: refused where 2 ranks share a host),
     diverged-weight (a weight nudged on rank 1 after prepare; the job checks every CHECK_EVERY steps),
     copy-before-prepare (an EMA copy of per-rank initial weights, given to job.save)
 Misuse in one process:
@@ -59,6 +60,11 @@ def misuse(job: tb.Job, mode: str, out: str) -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     if mode == "init-twice":
         tb.init()
+    if mode == "second-optimizer":  # two optimizers, the second with a per-rank learning rate
+        job.prepare(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
+                    torch.optim.SGD(model[2].parameters(), lr=0.1 * (rank + 1)))
+    if mode == "shm-on-sparse":
+        job.prepare(nn.EmbeddingBag(5, 4, sparse=True), shm_allreduce="on")
     compression = "fp16" if mode == "compression" and rank == 1 else "none"
     model, optimizer = job.prepare(model, optimizer, compression=compression)
     if mode == "prepare-twice":

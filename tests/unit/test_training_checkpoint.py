@@ -29,8 +29,16 @@ class Notes(list):
         self.append(line)
 
 
+def layout(step: int) -> dict:
+    """A checkpoint of this release's layout (what the loop reads from one) at ``step``."""
+    progress = {"epoch": 0, "position": 0, "step": step, "samples": 0, "best_accuracy": None, "best_loss": None,
+                "best_epoch": None}
+    return {"format": FORMAT, "step": step, "model": {"w": torch.full((2,), float(step))}, "optimizer": {},
+            "scheduler": {}, "progress": progress, "config": {}, "world_size": 1}
+
+
 def write_checkpoint(path, step: int) -> None:
-    atomic_save({"format": FORMAT, "step": step, "model": {"w": torch.full((2,), float(step))}}, str(path))
+    atomic_save(layout(step), str(path))
 
 
 def write_corrupt(path) -> None:
@@ -180,6 +188,24 @@ def test_read_checkpoint_wants_the_format_tag(tmp_path):
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(UserError, match=f"no format tag {FORMAT!r}"):
         read_checkpoint(str(tmp_path / "list.pt"))
+
+
+def test_a_checkpoint_of_another_layout_under_the_format_tag_is_one_line_and_never_moved(tmp_path):
+    other = layout(5)
+    del other["scheduler"]
+    other["optimizer"] = []
+    other["progress"]["steps"] = other["progress"].pop("step")
+    other["progress"]["epoch"] = "1"
+    atomic_save(other, str(tmp_path / "last.pt"))
+    write_checkpoint(tmp_path / "previous.pt", 4)
+    with pytest.raises(UserError, match=rf"^checkpoint {tmp_path / 'last.pt'} has the format tag {FORMAT!r} but not "
+                                        r"its layout \(missing scheduler; optimizer is a list, not a dict; progress "
+                                        r"counters missing: step; unknown progress counters: steps; progress counters "
+                                        r"not whole numbers: epoch\): written by another version of trainbridge, or "
+                                        r"changed by hand; resume with the release that wrote it, or use --resume "
+                                        r"never to start over$"):
+        choose_resume("auto", str(tmp_path), Notes())
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "previous.pt"]
 
 
 def test_load_model_state_names_the_keys_of_another_model():

@@ -35,6 +35,7 @@ during the write leaves the old file intact. On top of that, the engine's contra
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
@@ -179,7 +180,46 @@ def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
             f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
             f"for weights only, load it with torch.load and --resume never"
         )
+    problems = layout_problems(checkpoint)
+    if problems:
+        raise UserError(
+            f"checkpoint {path} has the format tag {FORMAT!r} but not its layout ({'; '.join(problems)}): "
+            f"written by another version of trainbridge, or changed by hand; resume with the release that "
+            f"wrote it, or use --resume never to start over"
+        )
     return checkpoint
+
+
+# What the loop reads from a checkpoint, and the type of each.
+LAYOUT = {"model": dict, "optimizer": dict, "scheduler": dict, "progress": dict, "config": dict, "world_size": int}
+COUNTERS = ("epoch", "position", "step", "samples")  # the progress counters the loop counts with
+
+
+def layout_problems(checkpoint: Dict[str, Any]) -> list:
+    """What in ``checkpoint`` differs from the layout this release writes (a missing key, a wrong type,
+    progress counters of another version), in phrases; empty when it fits."""
+    from .state import Progress  # state imports this module's FORMAT
+
+    missing = [key for key in LAYOUT if key not in checkpoint]
+    problems = [f"missing {', '.join(missing)}"] if missing else []
+    problems += [
+        f"{key} is a {type(checkpoint[key]).__name__}, not a {kind.__name__}"
+        for key, kind in LAYOUT.items()
+        if key in checkpoint and not isinstance(checkpoint[key], kind)
+    ]
+    progress = checkpoint.get("progress")
+    if isinstance(progress, dict):
+        fields = {field.name: field for field in dataclasses.fields(Progress)}
+        absent = [name for name in fields if name not in progress]
+        unknown = [str(name) for name in progress if name not in fields]
+        not_whole = [name for name in COUNTERS if name in progress and type(progress[name]) is not int]
+        if absent:
+            problems.append(f"progress counters missing: {', '.join(absent)}")
+        if unknown:
+            problems.append(f"unknown progress counters: {', '.join(unknown)}")
+        if not_whole:
+            problems.append(f"progress counters not whole numbers: {', '.join(not_whole)}")
+    return problems
 
 
 def choose_resume(resume: str, output_dir: str, note: Callable[[str], None]) -> Tuple[Optional[str], Optional[dict]]:

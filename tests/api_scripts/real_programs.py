@@ -33,12 +33,12 @@ from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
+from program_tools import finish, per_rank_batch, plain_state
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, TensorDataset
 
 import trainbridge as tb
-from program_tools import finish, per_rank_batch, plain_state
 
 torch.set_default_dtype(torch.float64)
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3

@@ -3,7 +3,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import PYTHON, SAMPLE, TRAIN, plain, run, torchrun, train_here
+from conftest import PYTHON, SAMPLE, TRAIN, check, plain, run, torchrun, train_here
 
 QUICK = [*SAMPLE, "--max-steps", "2"]
 def assert_one_clear_line(result: subprocess.CompletedProcess, pattern: str) -> None:
@@ -26,6 +26,14 @@ def test_horovod_backend_under_torchrun_is_refused(tmp_path):
 def test_local_backend_under_a_multi_process_launcher_is_refused(tmp_path):
     result = run(torchrun(2, QUICK + ["--backend", "local", "--output-dir", str(tmp_path)]), timeout=120)
     assert_one_clear_line(result, r"--backend local runs one process.*torchrun started 2")
+
+
+def test_an_output_dir_that_is_not_utf8_is_printed_not_a_traceback(tmp_path):
+    # Its name reaches Python as a lone surrogate; train_here's stdout is a strict UTF-8 file, as a terminal's
+    # is under an ordinary UTF-8 locale. Before: the run trained, wrote final.pt, then died at its "done:" line.
+    out = str(tmp_path / "runs\udcff")
+    result = check(train_here(QUICK + ["--model", "plaincnn", "--output-dir", out]))
+    assert f"wrote {str(tmp_path)}/runs\\udcff/final.pt" in result.stdout, result.stdout[-2000:]
 
 
 def test_nccl_without_cuda(tmp_path):

@@ -22,7 +22,7 @@ import errno
 import os
 import pickle
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class CorruptCheckpoint(UserError):
     set aside."""
 
 
-def state_mismatch(model: torch.nn.Module, state: Dict[str, Any]) -> Optional[str]:
+def state_mismatch(model: torch.nn.Module, state: Mapping[str, Any]) -> Optional[str]:
     """The missing, unexpected and mis-shaped keys of ``state`` for ``model``, in a phrase; None when it fits."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]

@@ -42,7 +42,7 @@ from .files import BackgroundWriter, host_copy, read_file, save_all, state_misma
 from .loaders import EvalLoader, TrainLoader, dataset_size
 from .model_checks import check_freezing_spelled_right, check_optimizers, parameters_of
 from .process_end import current, excepthook, exit_process
-from .process_setup import set_threads, use_deterministic_kernels
+from .process_setup import keep_output_printable, set_threads, use_deterministic_kernels
 from .same_model import CHECK_EVERY, SameModelCheck
 from .stop import FOR_WORKERS, StopSignal, Watchdog
 from .trainable import TrainableSincePrepare, average_gradients
@@ -77,6 +77,7 @@ def init(
     a difference is one line naming the tensor, the ranks and the step.
     """
     sys.excepthook = excepthook  # from here on, bad input is one line
+    keep_output_printable()  # and a path that is not UTF-8 is printed, not a UnicodeEncodeError
     if current.job is not None:
         raise UserError(
             "tb.init() was already called in this process; use the job it returned "
@@ -362,6 +363,13 @@ class Job:
             if isinstance(model_or_parameters, torch.nn.Module)
             else model_or_parameters
         )
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            raise UserError(
+                "job.clip_grad_norm_: some of these parameters have sparse gradients (nn.Embedding(sparse=True)), "
+                "which torch's clip_grad_norm_ cannot measure; clip the other parameters only "
+                "(job.clip_grad_norm_(model.head.parameters(), max_norm))",
+                quiet=not self.is_main,
+            )
         if self.scaler is not None:
             ids = {id(p) for p in params}
             holding = {id(o): o for _, held in self._prepared for o in held}  # once each, also if in two prepares

@@ -1,15 +1,28 @@
-"""What ``tb.init`` sets for the whole process before the job starts: intra-op threads and
-deterministic GPU kernels (the heap settings are :mod:`trainbridge.launch.malloc_tuning`'s)."""
+"""What ``tb.init`` sets for the whole process before the job starts: printable output, intra-op
+threads and deterministic GPU kernels (the heap settings are :mod:`trainbridge.launch.malloc_tuning`'s)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 from ..errors import UserError
 from ..launch import LaunchEnv
 from ..launch.environment import available_cores
+
+
+def keep_output_printable() -> None:
+    """Print what the encoding cannot hold as backslash escapes, not as a UnicodeEncodeError.
+
+    A path that is not UTF-8 (``--output-dir $'runs\\xff'``) reaches Python as lone surrogates;
+    under an ordinary UTF-8 locale stdout refuses them, and a finished run would die printing
+    where it wrote. Python's stderr already escapes them; stdout does the same from here on.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def set_threads(requested: int, env: LaunchEnv) -> int:

@@ -125,6 +125,9 @@ def test_several_optimizers_come_back_in_order_and_a_sparse_gradient_stays_spars
             opt.step()
     for ours, theirs in zip(module.parameters(), plain.parameters()):
         assert torch.equal(ours, theirs)
+    with pytest.raises(UserError, match=r"job\.clip_grad_norm_: some of these parameters have sparse gradients"):
+        job.clip_grad_norm_(model, 1.0)  # torch's would end in a traceback from linalg_vector_norm
+    assert job.clip_grad_norm_(module.head.parameters(), 1.0) > 0
 
 
 def test_prepare_returns_the_shape_it_was_given(job):

@@ -28,10 +28,17 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         )
     if missing:
         return None
+    rank, world_size = required_int(environ, "RANK"), required_int(environ, "WORLD_SIZE")
+    if world_size < 1 or not 0 <= rank < world_size:  # set by hand: the one launcher that can get them wrong
+        raise UserError(
+            f"RANK={rank} with WORLD_SIZE={world_size}: "
+            + ("WORLD_SIZE must be at least 1" if world_size < 1 else f"RANK must be 0 to {world_size - 1}")
+            + "; give the job's processes RANK 0, 1, ... WORLD_SIZE-1, one each"
+        )
     return LaunchEnv(
         launcher="env",
-        rank=required_int(environ, "RANK"),
-        world_size=required_int(environ, "WORLD_SIZE"),
+        rank=rank,
+        world_size=world_size,
         local_rank=read_int(environ, "LOCAL_RANK", default=0),
         local_size=read_int(environ, "LOCAL_WORLD_SIZE", default=1),
         node_rank=read_int(environ, "GROUP_RANK", "NODE_RANK", default=0),

@@ -40,7 +40,7 @@ from ..random_state import rng_state, seed_everything, set_rng_state
 from .compiled import keys_as_in, uncompiled, without_compiled_keys
 from .files import BackgroundWriter, host_copy, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader, dataset_size
-from .model_checks import check_freezing_spelled_right, check_optimizers, parameters_of
+from .model_checks import check_freezing_spelled_right, check_optimizers, check_something_to_train, parameters_of
 from .process_end import current, excepthook, exit_process
 from .process_setup import keep_output_printable, set_threads, use_deterministic_kernels
 from .same_model import CHECK_EVERY, SameModelCheck
@@ -230,6 +230,7 @@ class Job:
                 quiet=not self.is_main,
             )
         check_freezing_spelled_right(uncompiled(model))
+        check_something_to_train(uncompiled(model), quiet=not self.is_main)  # the same model on every rank
         given = check_optimizers(uncompiled(model), optimizers, [o for _, held in self._prepared for o in held])
         with self._waiting("job.prepare"):
             model = self._prepare(model, optimizers, amp, exchange, sync_batchnorm)

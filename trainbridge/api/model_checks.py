@@ -22,6 +22,19 @@ def check_freezing_spelled_right(model: torch.nn.Module) -> None:
                 )
 
 
+def check_something_to_train(model: torch.nn.Module, quiet: bool = False) -> None:
+    """Refuse a model with no parameter that requires a gradient: nothing to average (DDP refuses it too)."""
+    parameters = list(model.parameters())
+    if not any(p.requires_grad for p in parameters):
+        held = f"all {len(parameters)} of its parameters are frozen" if parameters else "it has no parameters"
+        raise UserError(
+            f"job.prepare: the model has nothing to train ({held}), so there are no gradients to average; "
+            f"unfreeze what should train (requires_grad_(True)) before job.prepare, or, to evaluate it only, "
+            f"move it with model.to(job.device) instead",
+            quiet=quiet,
+        )
+
+
 def check_optimizers(
     model: torch.nn.Module, given: Sequence[Any], earlier: Sequence[torch.optim.Optimizer]
 ) -> List[torch.optim.Optimizer]:

@@ -1,25 +1,18 @@
-"""trainbridge.hvd's engine in a one-rank job in the test process: operations under a name already in flight."""
+"""trainbridge.hvd's engine in a one-rank job in the test process: operations under a name already in flight,
+the cycle time, fusion."""
+import time
+
 import pytest
 import torch
-import torch.distributed as dist
-from one_rank_job import one_rank_env
+from one_rank_hvd import hvd_job
 
 import trainbridge.hvd as hvd
-from trainbridge.hvd import process
-from trainbridge.hvd.running_job import runtime
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine():
-    with one_rank_env():
-        hvd.init()
-        try:
-            yield runtime().engine
-        finally:
-            hvd.shutdown()
-            if process._owns_default_group and dist.is_initialized():
-                dist.destroy_process_group()
-            process._owns_default_group = False
+    with hvd_job() as engine:
+        yield engine
 
 
 def test_a_name_submitted_again_while_in_flight_runs_after_the_first(engine):
@@ -45,3 +38,22 @@ def test_an_input_rejected_while_its_name_is_in_flight_leaves_the_operation_in_f
     # One rank: the rejection decided alone, then the operation behind it.
     assert hvd.synchronize(again).shape == (1, 3)
     assert not engine._local and not engine._waiting
+
+
+def test_cycles_start_a_cycle_time_apart_and_what_comes_meanwhile_is_negotiated_together():
+    with hvd_job(HOROVOD_CYCLE_TIME="200") as engine:
+        hvd.allreduce(torch.ones(1), name="first")  # a cycle starts now
+        cycles, started = engine.cycles, time.monotonic()
+        a = hvd.allreduce_async(torch.ones(1), name="a")
+        time.sleep(0.02)
+        b = hvd.allreduce_async(torch.ones(1), name="b")
+        hvd.synchronize(a), hvd.synchronize(b)
+        # Horovod's meaning: the next cycle starts 200 ms after the last one started, with both in it.
+        assert engine.cycles == cycles + 1
+        assert time.monotonic() - started > 0.15
+
+
+def test_the_default_cycle_time_and_fusion_threshold_are_horovods():
+    with hvd_job() as engine:
+        assert engine._settings.cycle_time_s == 0.001
+        assert engine._settings.fusion_bytes == 128 * 1024 * 1024

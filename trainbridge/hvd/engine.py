@@ -7,10 +7,16 @@ Contract (the same as Horovod's background loop):
   whatever the caller does next (for gradients: the rest of the backward pass).
 * Each cycle, ranks exchange their new announcements over a dedicated gloo group
   (see :mod:`.negotiation`); the ready operations then run in the same order on
-  every rank. A thread with nothing in flight does not cycle, so an idle job
+  every rank. A cycle starts at least HOROVOD_CYCLE_TIME after the previous one
+  started (Horovod's meaning: operations submitted meanwhile are negotiated, and
+  fused, together). A thread with nothing in flight does not cycle, so an idle job
   costs nothing; the peers' cycle simply waits for it.
 * Ready allreduces with the same dtype, device and op are fused into one flat
-  buffer (Horovod's tensor fusion, up to HOROVOD_FUSION_THRESHOLD bytes).
+  buffer (Horovod's tensor fusion, up to HOROVOD_FUSION_THRESHOLD bytes; with
+  HOROVOD_DISABLE_GROUP_FUSION=1 a grouped operation's tensors fuse only among
+  themselves).
+* On rank 0, a :class:`.timeline.Timeline` (HOROVOD_TIMELINE) records each
+  operation's negotiation, queueing and collective.
 * A rank that called ``join`` keeps answering allreduces with zeros until every
   rank has joined.
 * ``hvd.shutdown()`` (or process exit) on any rank ends every rank's loop at the
@@ -50,7 +56,6 @@ import collections
 import dataclasses
 import datetime
 import os
-import sys
 import threading
 import time
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, cast
@@ -63,8 +68,11 @@ from ..runtime.gloo_threads import keep_thread_states
 from ..runtime.timeout import DEFAULT_TIMEOUT_S
 from ..runtime.watchdog import WatchdogThread
 from .errors import HorovodInternalError, rejection_error
+from .log import enabled as log_enabled, log
 from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
 from .reduce_ops import TORCH_REDUCE_OPS, Average
+from .settings import DEFAULT_SETTINGS, Settings
+from .timeline import COLLECTIVES, Timeline, display_name
 
 # gloo has no int16 kernels (and nccl no bool): such tensors travel widened.
 TRANSPORT_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
@@ -80,7 +88,6 @@ SUPPORTED_DTYPES = (
     torch.float64,
     torch.bool,
 )
-DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 
 
 class Handle:
@@ -151,18 +158,21 @@ class Engine:
         size: int,
         control_group: Any,
         cuda_group: Any = None,
-        cycle_time: float = 0.001,
+        settings: Settings = DEFAULT_SETTINGS,
+        timeline: Optional[Timeline] = None,
         static_sets: Sequence[Tuple[int, ...]] = (),
         timeout: float = DEFAULT_TIMEOUT_S,
         stall_shutdown_s: Optional[float] = None,
         lane_of: Optional["Engine"] = None,
         set_id: int = 0,
     ) -> None:
-        """The global engine; with ``lane_of`` (the global engine) and ``set_id``, the lane of that process set."""
+        """The global engine; with ``lane_of`` (the global engine) and ``set_id``, the lane of that process set.
+        ``timeline``: rank 0's, if HOROVOD_TIMELINE is set."""
         self.rank, self.size = rank, size
-        self._cycle_time = cycle_time
+        self._settings = settings
+        self._timeline = timeline
         self._timeout = timeout
-        self._fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_BYTES))
+        self._last_cycle = 0.0  # time.monotonic() at the start of the last cycle
         self._lane_of = lane_of
         self._lanes: Dict[int, "Engine"] = {}  # the global engine's lanes: set id -> Engine
         if lane_of is None:
@@ -333,8 +343,11 @@ class Engine:
                 message = self._next_message()
                 gathered: List[Optional[Message]] = [None] * len(self._table.ranks)
                 dist.all_gather_object(gathered, message, group=self._control)
-                outcome = self._table.apply(cast(List[Message], gathered))  # all_gather_object filled every slot
+                messages = cast(List[Message], gathered)  # all_gather_object filled every slot
+                outcome = self._table.apply(messages)
                 self.cycles += 1
+                if self._timeline is not None or log_enabled("debug"):
+                    self._record(messages, outcome.ready)
                 self._run(outcome.ready)
                 if outcome.join_completed_by is not None:
                     with self._cv:
@@ -352,10 +365,6 @@ class Engine:
                         )
                     )
                     return
-                if not outcome.ready:
-                    with self._cv:  # nothing moved: pause one cycle unless something new arrives
-                        if not self._outbox and not self._shutdown_requested:
-                            self._cv.wait(timeout=self._cycle_time)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting callers
             stalled = self._stalled(time.monotonic(), self._stall_shutdown_s or self._timeout)
             if stalled:
@@ -373,10 +382,44 @@ class Engine:
             error.__cause__ = exc
             self._close(error)
 
+    def _record(self, messages: List[Message], ready: List[Decision]) -> None:
+        """The cycle in the timeline (rank 0) and in the debug log: who announced what, what was decided."""
+        timeline = self._timeline
+        if timeline is not None:
+            for rank, message in zip(self._table.ranks, messages):
+                for name, announcement in message.announcements:
+                    timeline.announced(display_name(announcement.kind, name), announcement.kind, rank)
+        for decision in ready:
+            runs = decision.error is None and decision.kind not in PROCESS_SET_KINDS + ("barrier",)
+            if timeline is not None:
+                timeline.decided(display_name(decision.kind, decision.name), decision.kind, runs)
+            log(
+                "debug",
+                f"rank {self.rank} cycle {self.cycles}: {decision.kind} {decision.name!r} "
+                f"{'runs' if decision.error is None else 'fails: ' + decision.error}",
+            )
+        if log_enabled("trace"):
+            log(
+                "trace",
+                f"rank {self.rank} cycle {self.cycles}: announced "
+                + "; ".join(
+                    f"rank {rank}: {[name for name, _ in message.announcements]}"
+                    for rank, message in zip(self._table.ranks, messages)
+                ),
+            )
+
     def _next_message(self) -> Message:
+        """This rank's message for the next cycle, once there is something to say or wait for, and once
+        HOROVOD_CYCLE_TIME has passed since the last cycle started."""
         with self._cv:
             while not (self._outbox or self._local or self._join is not None or self._shutdown_requested):
                 self._cv.wait()
+            start = self._last_cycle + self._settings.cycle_time_s
+            while not self._shutdown_requested and time.monotonic() < start:
+                self._cv.wait(timeout=start - time.monotonic())
+            self._last_cycle = time.monotonic()
+            if self._timeline is not None:
+                self._timeline.cycle_start()
             announcements, self._outbox = self._outbox, []
             join = self._join is not None and not self._join_announced
             self._join_announced = self._join_announced or join
@@ -420,12 +463,10 @@ class Engine:
                 for request in fresh:
                     request.stall_reported = True
             if fresh:
-                print(
-                    f"trainbridge.hvd: warning: rank {self.rank} is waiting for {self._describe(fresh)}. "
-                    f"Unnamed operations are numbered per process and process set, so every member must issue "
-                    f"them in the same order",
-                    file=sys.stderr,
-                    flush=True,
+                log(
+                    "warning",
+                    f"rank {self.rank} is waiting for {self._describe(fresh)}. Unnamed operations are numbered "
+                    f"per process and process set, so every member must issue them in the same order",
                 )
         if self._stall_shutdown_s is not None:
             stalled = self._stalled(now, self._stall_shutdown_s)
@@ -472,7 +513,8 @@ class Engine:
                 self.rank,
                 self.size,
                 None,
-                cycle_time=self._cycle_time,
+                settings=self._settings,
+                timeline=self._timeline,
                 timeout=self._timeout,
                 stall_shutdown_s=self._stall_shutdown_s,
                 lane_of=self,
@@ -522,17 +564,26 @@ class Engine:
                 runnable.append((decision, request))
         with self._cv:  # if a collective below fails, _close fails these too
             self._executing = [request for _, request in runnable if request is not None]
+        timeline = self._timeline
         allreduces = [(d, r) for d, r in runnable if d.kind == "allreduce"]
-        for (_, request), outputs in zip(allreduces, self._reduce(allreduces)):
+        for (decision, request), outputs in zip(allreduces, self._reduce(allreduces)):
             if request is not None:
                 if request.outputs is not None:
                     outputs = [target.copy_(out) for target, out in zip(request.outputs, outputs)]
                 request.handle.finish(tuple(outputs) if request.grouped else outputs[0])
+            if timeline is not None:
+                timeline.finished(display_name("allreduce", decision.name), outputs[0])
         for decision, request in runnable:
             if decision.kind != "allreduce":
+                shown, collective = display_name(decision.kind, decision.name), None
+                if timeline is not None:
+                    collective = COLLECTIVES.get((decision.kind, decision.reference().device))
+                    timeline.activity([shown], collective)
                 result = getattr(self, "_" + decision.kind)(decision, request)
                 if request is not None:
                     request.handle.finish(result)
+                if timeline is not None and collective is not None:
+                    timeline.finished(shown, result)
         with self._cv:
             self._executing = []
 
@@ -569,15 +620,26 @@ class Engine:
             ref = decision.reference()
             inputs = request.inputs if request is not None else self._zeros_like(ref)
             results.append([None] * len(inputs))
+            # HOROVOD_DISABLE_GROUP_FUSION=1: a grouped operation's tensors share buffers only with each other.
+            group = decision.name if len(ref.shapes) > 1 and not self._settings.group_fusion else None
             for slot, tensor in enumerate(inputs):
-                key = (decision.process_set, tensor.dtype, ref.device, ref.op)
+                key = (decision.process_set, tensor.dtype, ref.device, ref.op, group)
                 buckets.setdefault(key, []).append((index, slot, tensor, ref))
-        for (set_id, dtype, _, op), items in buckets.items():
+        timeline = self._timeline
+        for (set_id, dtype, device, op, _), items in buckets.items():
             members = len(self.process_sets[set_id])
             for chunk in self._by_size(items):
                 home = chunk[0][2].device  # model-parallel tensors on other GPUs join this buffer
+                shown: List[str] = []
+                if timeline is not None:
+                    shown = list(dict.fromkeys(display_name(entries[i][0].kind, entries[i][0].name) for i, *_ in chunk))
+                    timeline.activity(shown, "MEMCPY_IN_FUSION_BUFFER" if len(chunk) > 1 else None)
                 flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1).to(home) for _, _, t, ref in chunk])
+                if timeline is not None:
+                    timeline.activity(shown, COLLECTIVES.get(("allreduce", device), "GLOO_ALLREDUCE"))
                 dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat, set_id))
+                if timeline is not None:
+                    timeline.activity(shown, "MEMCPY_OUT_FUSION_BUFFER" if len(chunk) > 1 else None)
                 offset = 0
                 for index, slot, tensor, ref in chunk:
                     part = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
@@ -591,7 +653,7 @@ class Engine:
         nbytes = 0
         for item in items:
             size = item[2].numel() * item[2].element_size()
-            if chunk and nbytes + size > self._fusion_bytes:
+            if chunk and nbytes + size > self._settings.fusion_bytes:
                 yield chunk
                 chunk, nbytes = [], 0
             chunk.append(item)

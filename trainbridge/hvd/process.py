@@ -15,9 +15,9 @@ the same ones, else ValueError on every rank); ``process_sets="dynamic"`` allows
 communicators) needs the real Horovod.
 
 Environment read: the launcher's variables (see :mod:`trainbridge.launch`),
-``HOROVOD_CYCLE_TIME`` (ms, default 1), ``HOROVOD_FUSION_THRESHOLD`` (bytes),
-``TRAINBRIDGE_HVD_TIMEOUT`` (seconds a rank waits for its peers: to join, in a
-collective; the job's timeout, default 300 s as ``tb.init``'s, see
+Horovod's runtime variables (:mod:`.settings`: each honoured, or refused in one line
+and exit status 2 before this rank joins the job), ``TRAINBRIDGE_HVD_TIMEOUT``
+(seconds a rank waits for its peers: to join, in a collective; the job's timeout, default 300 s as ``tb.init``'s, see
 :mod:`trainbridge.runtime.timeout`), ``HOROVOD_STALL_CHECK_TIME_SECONDS`` /
 ``HOROVOD_STALL_CHECK_DISABLE`` (the stall warning) and
 ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (seconds after which a stalled operation shuts
@@ -33,19 +33,23 @@ import atexit
 import datetime
 import gc
 import os
-from typing import Any, List
+import sys
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
 from ..launch import detect_launch
 from ..launch.rendezvous import join_process_group
 from ..runtime.gloo_threads import keep_thread_states
 from ..runtime.timeout import timeout_from_environ
-from . import running_job
+from . import running_job, settings as horovod_settings
 from .engine import Engine
+from .log import configure as configure_log, log
 from .process_sets import check_static_sets, global_process_set, static_sets
 from .running_job import Runtime, is_initialized, runtime
+from .timeline import Timeline
 
 _owns_default_group = False  # whether init() created the default process group
 _atexit_registered = False
@@ -72,9 +76,19 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     sets = static_sets(process_sets)
     if is_initialized():
         return
+    env = detect_launch()
+    try:
+        settings = horovod_settings.read(os.environ)
+    except UserError as exc:
+        # Before joining: every rank reads its own environment and leaves, none waits for another.
+        if env.rank == 0:
+            print(f"trainbridge: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    configure_log(settings)
+    if settings.gloo_iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = settings.gloo_iface  # Horovod's HOROVOD_GLOO_IFACE, in gloo's words
     timeout = timeout_from_environ()
     stall_shutdown = _stall_shutdown(timeout)
-    env = detect_launch()
     if not dist.is_initialized():
         # The torch backend's rendezvous and process group, without its one-GPU-per-rank
         # device choice: as with Horovod, the script calls torch.cuda.set_device itself,
@@ -104,12 +118,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             dist.destroy_process_group(group)
         raise
     peers = [r for r, (lr, _, _) in enumerate(layouts) if lr == local_rank]
+    # Horovod's coordinator writes the timeline: rank 0 here.
+    timeline = None
+    if settings.timeline is not None and rank == 0:
+        timeline = Timeline(settings.timeline, settings.mark_cycles)
     engine = Engine(
         rank,
         size,
         control,
         cuda_group,
-        cycle_time=float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0,
+        settings=settings,
+        timeline=timeline,
         static_sets=[tuple(ps.ranks) for ps in sets],
         timeout=timeout,
         stall_shutdown_s=stall_shutdown,
@@ -128,7 +147,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             len({ls for _, ls, _ in layouts}) == 1,
             engine,
             groups,
+            settings,
+            timeline,
         )
+    )
+    log(
+        "info",
+        f"rank {rank} of {size} joined; fusion threshold {settings.fusion_bytes} bytes, cycle time "
+        f"{settings.cycle_time_s * 1000:g} ms, timeline {_timeline_state(settings, timeline)}",
     )
     if not _atexit_registered:
         atexit.register(_at_exit)
@@ -141,6 +167,8 @@ def shutdown() -> None:
     if current is None:
         return
     current.engine.stop()
+    if current.timeline is not None:
+        current.timeline.close()
     for group in current.groups:
         dist.destroy_process_group(group)
 
@@ -195,13 +223,28 @@ def is_homogeneous() -> bool:
     return runtime().homogeneous
 
 
+def _timeline_state(settings: horovod_settings.Settings, timeline: Optional[Timeline]) -> str:
+    if settings.timeline is None:
+        return "off"
+    if timeline is None:
+        return "written by rank 0"
+    return f"in {settings.timeline}" if settings.timeline else "ready (HOROVOD_TIMELINE=DYNAMIC)"
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's timeline; not available on the torch backend (``NotImplementedError``: use ``torch.profiler``)."""
-    raise NotImplementedError(
-        "the Horovod timeline needs the real Horovod (horovodrun); on the torch backend use torch.profiler"
-    )
+    """Write Horovod's timeline to ``file_path`` (rank 0 writes; see :mod:`.timeline`), closing the one
+    written so far; ``mark_cycles`` marks each cycle. Needs ``HOROVOD_TIMELINE`` (a file, or ``DYNAMIC``)
+    at ``hvd.init()``, as in Horovod; ``ValueError`` otherwise, and before ``init()``."""
+    current = runtime()
+    if current.settings.timeline is None:
+        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+    if current.timeline is not None:
+        current.timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Horovod's timeline; not available on the torch backend (``NotImplementedError``)."""
-    raise NotImplementedError("the Horovod timeline needs the real Horovod (horovodrun)")
+    """Finish and close the timeline file (rank 0); a no-op when none is being written. ``ValueError``
+    before ``hvd.init()``."""
+    current = runtime()
+    if current.timeline is not None:
+        current.timeline.stop()

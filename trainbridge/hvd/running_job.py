@@ -10,6 +10,8 @@ import dataclasses
 from typing import Any, List, Optional
 
 from .engine import Engine
+from .settings import Settings
+from .timeline import Timeline
 
 
 @dataclasses.dataclass
@@ -23,6 +25,8 @@ class Runtime:
     homogeneous: bool
     engine: Engine
     groups: List[Any]
+    settings: Settings
+    timeline: Optional[Timeline]  # rank 0's, when HOROVOD_TIMELINE is set
 
 
 _current: Optional[Runtime] = None

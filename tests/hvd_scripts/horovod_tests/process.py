@@ -1,12 +1,13 @@
 """init, shutdown and re-init, rank and size, the local and cross layout, the build queries."""
 
+import importlib.util
 import os
 
 import torch
 
 import trainbridge.hvd as hvd
 
-from .common import REAL_HOROVOD_REINIT, NotApplicable
+from .common import REAL_HOROVOD_REINIT, NotApplicable, expect_error
 
 
 def test_rank_and_size():
@@ -45,5 +46,11 @@ def test_build_queries():
     if not hvd.using_real_horovod:
         import torch.distributed as dist
         assert hvd.gloo_enabled() and not hvd.mpi_enabled()
-        assert hvd.mpi_built() == dist.is_mpi_available() and hvd.gloo_built() == dist.is_gloo_available()
+        mpi4py = importlib.util.find_spec("mpi4py") is not None
+        assert hvd.mpi_built() == (dist.is_mpi_available() or mpi4py) and hvd.gloo_built() == dist.is_gloo_available()
+        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:  # mpirun: MPI is there to ask
+            from mpi4py import MPI
+            assert hvd.mpi_threads_supported() == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        else:
+            expect_error(hvd.mpi_threads_supported, ValueError)
         assert hvd.cuda_built() == (torch.version.cuda is not None)

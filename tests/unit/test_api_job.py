@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from one_rank_job import one_rank_job
+from python_child import run_python
 from torch.utils.data import TensorDataset
 
 import trainbridge as tb
@@ -310,3 +311,29 @@ def test_should_stop_agrees_one_step_after_sigterm(job, monkeypatch):
         job._stop.drain()
         job._stop.received = job._stop.stopping = False  # the other tests' job is not stopping
     assert dist.is_initialized()
+
+
+def test_a_call_after_shutdown_is_one_line_and_a_second_shutdown_nothing():
+    # A job of its own, in a child: the module's job stays joined for the other tests.
+    result = run_python("""
+        import sys, torch
+        sys.path[:0] = [{tests!r}, {unit!r}]
+        from one_rank_job import one_rank_env
+        import trainbridge as tb
+        from trainbridge.errors import UserError
+        with one_rank_env():
+            job = tb.init(backend="torch", timeout=30, malloc_tuning="off")
+            job.shutdown()
+            job.shutdown()
+            for call in (lambda: job.allreduce(torch.ones(2)), lambda: job.save({{"a": 1}}, "x.pt"),
+                         lambda: job.should_stop(), lambda: job.prepare(torch.nn.Linear(2, 2), None)):
+                try:
+                    call()
+                except UserError as exc:
+                    print(exc)
+    """.format(tests=os.path.dirname(os.path.dirname(__file__)), unit=os.path.dirname(__file__)))
+    assert result.returncode == 0, result
+    ended = ("after job.shutdown() (or job.exit()): this process has left the job; make that the last call, or call "
+             "tb.init() again to join a new job")
+    assert result.stdout.splitlines()[-4:] == [f"{call} {ended}" for call in (
+        "job.allreduce", "job.save('x.pt')", "job.should_stop (the stop agreement)", "job.prepare")], result.stdout

@@ -130,10 +130,20 @@ class Job:
         self._trainable: List[TrainableSincePrepare] = []  # per prepared model, what prepare averaged
         self._accumulating: List[torch.nn.Module] = []  # models inside job.no_sync now
         self._seed_per_rank_at_prepare: Optional[int] = None  # set_seed's seed, until the next prepare
+        self._ended = False  # shutdown() has left the job
 
     def _waiting(self, call: str):
         """Bound a wait for the other ranks by the timeout; the watchdog's line names ``call`` and the step."""
+        self._check_in_job(call)
         return self.watchdog.waiting(f"{call} at this process's step {self._steps}")
+
+    def _check_in_job(self, call: str) -> None:
+        # Every call that needs the other ranks comes here first: after shutdown() there are none.
+        if self._ended:
+            raise UserError(
+                f"{call} after job.shutdown() (or job.exit()): this process has left the job; make that the "
+                f"last call, or call tb.init() again to join a new job"
+            )
 
     # ----- where this process is ------------------------------------------------
     @property
@@ -607,6 +617,7 @@ class Job:
         :meth:`wait_for_saves` and :meth:`shutdown` wait for it; a failed
         background write raises there, as one line.
         """
+        self._check_in_job(f"job.save({path!r})")
         if not isinstance(obj, Mapping):
             raise UserError(
                 f"job.save takes a dict of what to save, got a {type(obj).__name__}; "
@@ -710,7 +721,10 @@ class Job:
 
     # ----- the end --------------------------------------------------------------
     def shutdown(self, clean: bool = True) -> None:
-        """Leave the job. ``clean=False`` after a failure, before this process exits: wait for no other rank."""
+        """Leave the job. ``clean=False`` after a failure, before this process exits: wait for no other rank.
+        Calling it again does nothing; any other call that needs the ranks is then one line."""
+        if self._ended:
+            return
         self.watchdog.disarm()
         try:
             self._writer.wait()  # never leave with a checkpoint half-written
@@ -725,6 +739,7 @@ class Job:
                     self.backend.shutdown(clean=clean)
             else:
                 self.backend.shutdown(clean=clean)
+            self._ended = True
         current.job = None
 
     def exit(self, code: int = 0) -> NoReturn:

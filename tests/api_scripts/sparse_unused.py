@@ -5,8 +5,10 @@
 Rank 1 leaves the ``extra`` table out at step 1, no rank uses it at step 2. After each
 ``job.backward`` every rank compares its gradients with one process's average of the
 ranks' losses (float64): a table some rank used has the average, as a sparse tensor (the
-rank that did not use it adds no rows); one no rank used keeps no gradient. Rank 0 prints
-one JSON line: per step, the largest difference and the layouts.
+rank that did not use it adds no rows); one no rank used keeps no gradient. Before prepare each
+rank steps both optimizers on its own data (as a resume would leave them), so prepare must give
+each optimizer rank 0's state. Rank 0 prints one JSON line, per rank: the optimizers' state
+(sums of its tensors) after prepare, and per step the largest difference and the layouts.
 """
 import copy
 import json
@@ -36,10 +38,15 @@ torch.set_default_dtype(torch.float64)
 job = tb.init(timeout=60)
 torch.manual_seed(0)
 model = Tables()
-reference = copy.deepcopy(model)
 sparse_opt = torch.optim.SparseAdam([model.users.weight, model.extra.weight], lr=0.1)
 dense_opt = torch.optim.Adam(model.head.parameters(), lr=0.1)
+model(torch.tensor([job.rank, 4]), True).backward()  # each rank's own first step
+sparse_opt.step()
+dense_opt.step()
 model, sparse_opt, dense_opt = job.prepare(model, sparse_opt, dense_opt, find_unused_parameters=True)
+state = [float(sum(torch.as_tensor(v).sum() for v in per_param.values()))
+         for opt in (sparse_opt, dense_opt) for per_param in opt.state.values()]
+reference = copy.deepcopy(job.unwrap(model))
 batches = [torch.tensor([1, 2, 2]), torch.tensor([5, 0, 7]), torch.tensor([3, 3, 6])][: job.world_size]
 steps = []
 for step in range(3):
@@ -62,5 +69,5 @@ for step in range(3):
         for ours, theirs in zip(model.parameters(), reference.parameters()):
             theirs.copy_(ours)
     steps.append({"diff": diff, "layouts": layouts})
-job.print(json.dumps(job.allgather_object(steps)))
+job.print(json.dumps(job.allgather_object({"state": state, "steps": steps})))
 job.exit(0)

@@ -47,19 +47,26 @@ class TrainableSincePrepare:
 
 
 def average_gradients(params: List[torch.nn.Parameter], allreduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Average the (dense) gradients of ``params`` over the ranks, in one allreduce; collective.
+    """Average the gradients of ``params`` over the ranks, in one allreduce; collective.
 
     As with ``find_unused_parameters``: a parameter no rank gave a gradient keeps None, one
     that some ranks did is averaged with zeros from the others. A flag per parameter travels
-    with the gradients, so the ranks agree on which is which.
+    with the gradients, so the ranks agree on which is which. A sparse gradient (an embedding
+    table unfrozen late) travels dense and comes back sparse.
     """
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    grads = [
+        torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
+    ]
     had = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
     averaged = allreduce_mean(torch.cat([g.reshape(-1) for g in grads] + [had]))
     offset = 0
     for p, g, anywhere in zip(params, grads, averaged[-len(params) :].tolist()):
         if anywhere > 0:
-            if p.grad is None:
-                p.grad = g
-            g.copy_(averaged[offset : offset + g.numel()].view_as(g))
+            mean = averaged[offset : offset + g.numel()].view_as(g)
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = mean.to_sparse(p.grad.sparse_dim())
+            else:
+                if p.grad is None:
+                    p.grad = g
+                g.copy_(mean)
         offset += g.numel()

@@ -51,6 +51,10 @@ def _import(module_name: str, kind: str):
 
 
 def _load_file(path: str, kind: str):
+    if os.path.isdir(path):
+        raise UserError(
+            f"{kind} file {path} is a directory, not a .py file; give the path of a .py file in it as ./file.py:Name"
+        )
     if not os.path.isfile(path):
         raise UserError(f"{kind} file {path} does not exist; give the path of a .py file as ./file.py:Name")
     name = "trainbridge_user_" + os.path.splitext(os.path.basename(path))[0]

@@ -75,6 +75,14 @@ def test_save_all_writes_the_same_file_to_every_path(tmp_path):
     assert (tmp_path / "last.pt").read_bytes() == (tmp_path / "copy" / "x.pt").read_bytes()
 
 
+def test_a_copy_into_a_folder_deleted_while_the_job_ran_says_so(tmp_path):
+    atomic_save(saved(1), str(tmp_path / "last.pt"))
+    with pytest.raises(UserError, match=rf"^cannot write the checkpoint {tmp_path / 'gone' / 'best.pt'}: "
+                                        rf"{tmp_path / 'gone'} no longer exists \(deleted while the job ran\?\); "
+                                        rf"nothing was written; create it again or save to another folder$"):
+        files.atomic_copy(str(tmp_path / "last.pt"), str(tmp_path / "gone" / "best.pt"))
+
+
 def test_a_write_where_the_parent_is_a_file_is_one_line_and_creates_nothing(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     # os.makedirs says "File exists" here; the line names the path, says nothing changed, and the fix.

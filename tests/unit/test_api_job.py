@@ -202,6 +202,14 @@ def draws():
     return torch.rand(3).tolist(), random.random(), numpy.random.rand()
 
 
+def test_a_checkpoint_without_random_streams_is_restored_with_a_note(job, capsys):
+    into = {"step": 0}
+    assert job.restore({"step": 7}, into, source="by_hand.pt") == {"step": 7}
+    assert capsys.readouterr().out == (
+        "[trainbridge] by_hand.pt holds no random streams ('rng', which job.save adds): they go on from this "
+        "process's seeds, so dropout and augmentation draw other numbers than the run that wrote it would have\n")
+
+
 def test_load_puts_back_the_state_and_every_random_stream(job, tmp_path):
     torch.manual_seed(2)
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))

@@ -13,10 +13,10 @@ def frozen() -> torch.nn.Module:
 
 
 def test_a_model_with_nothing_to_train_is_one_line():
-    with pytest.raises(UserError, match=r"^job\.prepare: the model has nothing to train \(all 2 of its parameters are "
-                                        r"frozen\), so there are no gradients to average; unfreeze what should train "
-                                        r"\(requires_grad_\(True\)\) before job\.prepare, or, to evaluate it only, move "
-                                        r"it with model\.to\(job\.device\) instead$"):
+    with pytest.raises(UserError, match=r"^job\.prepare: the model has nothing to train \(all 2 of its parameters "
+                                        r"are frozen\), so there are no gradients to average; unfreeze what should "
+                                        r"train \(requires_grad_\(True\)\) before job\.prepare, or, to evaluate it "
+                                        r"only, move it with model\.to\(job\.device\) instead$"):
         check_something_to_train(frozen())
     with pytest.raises(UserError, match=r"nothing to train \(it has no parameters\)"):
         check_something_to_train(torch.nn.ReLU())

@@ -98,6 +98,11 @@ def _raise_why_not_written(path: str, exc: BaseException) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     unchanged = f"the checkpoints already in {directory} are unchanged"
     if isinstance(exc, OSError):
+        if not os.path.lexists(directory):  # deleted while the job ran: nothing there is "unchanged"
+            raise UserError(
+                f"cannot write the checkpoint {path}: {directory} no longer exists (deleted while the job ran?); "
+                f"nothing was written; create it again or {ELSEWHERE}"
+            ) from exc
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             fix = f"make {directory} writable or {ELSEWHERE}"
         elif exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

@@ -37,6 +37,7 @@ from ..errors import UserError
 from ..launch import detect_launch, report_error
 from ..launch.malloc_tuning import tune_malloc
 from ..random_state import rng_state, seed_everything, set_rng_state
+from ..runtime.timeout import check_timeout
 from .compiled import keys_as_in, uncompiled, without_compiled_keys
 from .files import BackgroundWriter, host_copy, read_file, save_all, state_mismatch, unloadable_value
 from .loaders import EvalLoader, TrainLoader, dataset_size
@@ -84,8 +85,7 @@ def init(
             "(or call job.shutdown() before joining again)"
         )
     env = detect_launch()
-    if timeout <= 0:
-        raise UserError(f"timeout must be positive (got {timeout})")
+    timeout = check_timeout(timeout)  # a string, NaN or infinity too: one line, not a wait that never ends
     SameModelCheck.check_every_valid(check_every)
     threads = set_threads(threads, env)
     if deterministic:
@@ -717,6 +717,12 @@ class Job:
                 f"{self.world_size}: the random streams start afresh (seeded per rank)"
             )
             seed_everything(torch.initial_seed() + self.rank)
+        else:  # written by hand, or by torch.save: resuming works, but not bitwise
+            self.print(
+                f"[trainbridge] {source} holds no random streams ({RNG_KEY!r}, which job.save adds): they go on "
+                f"from this process's seeds, so dropout and augmentation draw other numbers than the run that "
+                f"wrote it would have"
+            )
         return into
 
     # ----- the end --------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from ..errors import UserError
-from .environment import LaunchEnv, read_int, required_int
+from .environment import LaunchEnv, read_int, read_port, required_int
 
 REQUIRED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -43,5 +43,5 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         local_size=read_int(environ, "LOCAL_WORLD_SIZE", default=1),
         node_rank=read_int(environ, "GROUP_RANK", "NODE_RANK", default=0),
         master_addr=environ["MASTER_ADDR"],
-        master_port=read_int(environ, "MASTER_PORT"),
+        master_port=read_port(environ, "MASTER_PORT"),
     )

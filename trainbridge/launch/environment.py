@@ -46,10 +46,25 @@ def read_int(environ: Mapping[str, str], *names: str, default: Optional[int] = N
             try:
                 return int(value)
             except ValueError:
+                digits = value.strip().lstrip("+-")
+                if digits.isdigit():  # past Python's 4,300-digit limit for int()
+                    raise UserError(
+                        f"the environment variable {name} holds a number of {len(digits)} digits, far too large "
+                        f"for a count of processes, ranks or a port; set it to the intended value (or unset it)"
+                    ) from None
+                shown = value if len(value) <= 40 else value[:40] + "..."
                 raise UserError(
-                    f"the environment variable {name}={value!r} is not a whole number; set it to one (or unset it)"
+                    f"the environment variable {name}={shown!r} is not a whole number; set it to one (or unset it)"
                 ) from None
     return default
+
+
+def read_port(environ: Mapping[str, str], name: str) -> Optional[int]:
+    """``name`` as a TCP port (1 to 65535), None when unset; one line naming it otherwise."""
+    port = read_int(environ, name)
+    if port is not None and not 1 <= port <= 65535:
+        raise UserError(f"{name}={port} is not a TCP port; set it to a free port from 1 to 65535 (e.g. 29500)")
+    return port
 
 
 def required_int(environ: Mapping[str, str], name: str) -> int:

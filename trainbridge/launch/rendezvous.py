@@ -28,7 +28,7 @@ from typing import Tuple
 
 from ..errors import UserError, first_line
 from ..optional import require
-from .environment import LaunchEnv
+from .environment import LaunchEnv, read_port
 from .network import (
     first_external_address,
     gloo_interface_for,
@@ -109,7 +109,7 @@ def rendezvous_address(env: LaunchEnv, environ=None, timeout: float = 300.0) -> 
     if env.master_addr and env.master_port:
         return env.master_addr, env.master_port
     if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):  # exported by the user (mpirun -x, a wrapper)
-        return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        return environ["MASTER_ADDR"], int(read_port(environ, "MASTER_PORT") or 0)
     if env.world_size == 1:
         return "127.0.0.1", free_port()
     if env.launcher == "mpirun":

@@ -9,6 +9,7 @@ value that is not a positive number of seconds with one line.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping, Optional
 
@@ -19,9 +20,18 @@ HVD_TIMEOUT_VARIABLE = "TRAINBRIDGE_HVD_TIMEOUT"
 
 
 def check_timeout(seconds: float, setting: str = "timeout") -> float:
-    """``seconds``, or a UserError naming ``setting`` when it is not a positive number."""
-    if not seconds > 0:
-        raise UserError(f"{setting} must be positive (got {seconds})")
+    """``seconds``, or a UserError naming ``setting`` when it is not a positive, finite number (a string,
+    NaN, which no comparison bounds, and infinity, which no clock reaches, are refused too)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise UserError(
+            f"{setting} must be a number of seconds, got the {type(seconds).__name__} {seconds!r}; "
+            f"pass a number (default {DEFAULT_TIMEOUT_S:g})"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UserError(
+            f"{setting} must be a positive, finite number of seconds (got {seconds}); it bounds every wait "
+            f"for the other ranks (default {DEFAULT_TIMEOUT_S:g})"
+        )
     return float(seconds)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import PLAIN_SGD, PYTHON, SAMPLE, TORCHRUN, Job, env_ranks, run, torchrun
+from conftest import PLAIN_SGD, PYTHON, SAMPLE, TORCHRUN, TRAIN, Job, env_ranks, in_matrix, run, torchrun
 
 from trainbridge.data.designsafe_sample import make_sample
 from trainbridge.launch.rendezvous import free_port
@@ -149,6 +149,23 @@ def test_sigterm_to_the_process_group_stops_a_loop_with_dataloader_workers(tmp_p
     while alive(workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(workers)
+
+
+# torchrun's agents meet before any worker starts, where --timeout cannot reach: the launchers guide gives the
+# bound of each rendezvous. c10d's join_timeout is the matrix's: make test keeps the static rendezvous's.
+@pytest.mark.parametrize("option", in_matrix(["timeout", "join_timeout"], ["join_timeout"]))
+def test_a_torchrun_host_that_never_arrives_is_bounded_as_the_launchers_guide_says(option):
+    assert f"--rdzv-conf {option}=" in (ROOT / "docs" / "guides" / "launchers.md").read_text()
+    port = free_port()
+    rendezvous = (["--master-addr", "127.0.0.1", "--master-port", str(port), "--node-rank", "0"] if option == "timeout"
+                  else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone"])
+    started = time.monotonic()
+    # Node 0 of 2, alone: before, it waited torchrun's default 600 s.
+    result = run([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *rendezvous, "--rdzv-conf", f"{option}=5",
+                  *TRAIN, *SAMPLE, "--max-steps", "1"], timeout=120)
+    assert result.returncode != 0 and "[trainbridge]" not in result.stdout, result  # no worker started
+    assert time.monotonic() - started < 60, result.stderr[-2000:]
+    assert "clients joined" in result.stderr or "RendezvousTimeoutError" in result.stderr, result.stderr[-2000:]
 
 
 def test_ctrl_c_to_a_torchrun_job_stops_every_rank_at_one_step_with_its_checkpoint(tmp_path):

@@ -48,12 +48,12 @@ import torch
 from ..api.files import CorruptCheckpoint, read_file, state_mismatch
 from ..errors import UserError
 from ..runtime.safe_files import new_file_owner, owner_problem
+from .state import FORMAT, Progress
 
 if TYPE_CHECKING:
     from ..api import Job
 
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
-FORMAT = "trainbridge-checkpoint-1"
 LOCK = ".trainbridge.lock"
 _held: Dict[str, IO[str]] = {}  # output directory -> its lock file, open until this process ends
 _owners: Dict[str, int] = {}  # output directory -> the uid this user's files get there
@@ -198,8 +198,6 @@ COUNTERS = ("epoch", "position", "step", "samples")  # the progress counters the
 def layout_problems(checkpoint: Dict[str, Any]) -> list:
     """What in ``checkpoint`` differs from the layout this release writes (a missing key, a wrong type,
     progress counters of another version), in phrases; empty when it fits."""
-    from .state import Progress  # state imports this module's FORMAT
-
     missing = [key for key in LAYOUT if key not in checkpoint]
     problems = [f"missing {', '.join(missing)}"] if missing else []
     problems += [

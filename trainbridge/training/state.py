@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .checkpoint import FORMAT
+FORMAT = "trainbridge-checkpoint-1"  # the tag of a checkpoint of this layout (read_checkpoint checks both)
 
 
 @dataclasses.dataclass

@@ -45,6 +45,7 @@ from .model_checks import check_freezing_spelled_right, check_optimizers, check_
 from .process_end import current, excepthook, exit_process
 from .process_setup import keep_output_printable, set_threads, use_deterministic_kernels
 from .same_model import CHECK_EVERY, SameModelCheck
+from .signature import same_on_every_rank
 from .stop import FOR_WORKERS, StopSignal, Watchdog
 from .trainable import TrainableSincePrepare, average_gradients
 
@@ -499,11 +500,12 @@ class Job:
             raise UserError(f"allreduce op {op!r} is not supported; use sum, mean or max")
         with self._waiting("job.allreduce"):
             # A dtype or shape that differs between ranks gives garbage or aborts inside gloo: say so first.
-            self.backend.check_same_on_every_rank(
-                "job.allreduce's tensor",
-                {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)},
-                "reduce a tensor of the same dtype and shape on every rank",
-            )
+            # One small allreduce of a digest; only a mismatch gathers the values to name them.
+            signature = {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape)}
+            if self.world_size > 1 and not same_on_every_rank(self.backend, signature, "job.allreduce.signature"):
+                self.backend.check_same_on_every_rank(
+                    "job.allreduce's tensor", signature, "reduce a tensor of the same dtype and shape on every rank"
+                )
             return self.backend.allreduce(tensor, op)
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:

@@ -1,8 +1,10 @@
 """trainbridge.launch.rendezvous: the rendezvous store, served where the job lives and kept to one job."""
 import socket
+import subprocess
+import time
 
 import pytest
-from conftest import PYTHON, run
+from conftest import PYTHON, kill_tree, launcher_env, run
 from python_child import run_python
 
 from trainbridge.errors import UserError
@@ -61,6 +63,26 @@ def test_a_rank_of_a_second_job_on_the_port_is_refused_at_once():
     assert second_job.stderr.strip().startswith("trainbridge: error: rank 1 found its place in the rendezvous store"), (
         second_job.stderr)
     assert len(second_job.stderr.strip().splitlines()) == 1, second_job.stderr
+
+
+def test_a_rank_outside_the_world_stops_its_peers_at_once_not_at_their_timeout():
+    port = free_port()
+    rank = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    join = [PYTHON, "-c", "import trainbridge as tb; tb.init(timeout=120)"]
+    rank_0 = subprocess.Popen(join, env=launcher_env({**rank, "RANK": "0"}), stderr=subprocess.PIPE, text=True)
+    try:
+        started = time.monotonic()
+        refused = run(join, timeout=60, env={**rank, "RANK": "2"})
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            "trainbridge: error: RANK=2 with WORLD_SIZE=2: RANK must be 0 to 1; give the job's processes RANK 0, 1, "
+            "... WORLD_SIZE-1, one each"), refused
+        _, err = rank_0.communicate(timeout=60)
+        assert rank_0.returncode == 2 and time.monotonic() - started < 60, err  # not its 120 s timeout
+        assert err.strip() == ("trainbridge: error: rank 0: a process of this job was refused and will never join "
+                               "(RANK=2 with WORLD_SIZE=2: RANK must be 0 to 1; give the job's processes RANK 0, 1, "
+                               "... WORLD_SIZE-1, one each); this rank stops too"), err
+    finally:
+        kill_tree(rank_0.pid)
 
 
 def test_ranks_of_two_launched_jobs_in_one_store_are_one_line():

@@ -35,7 +35,9 @@ from ..backends import Backend, GradientExchange, create_backend
 from ..backends.sync_batchnorm import synchronize_batchnorm
 from ..errors import UserError
 from ..launch import detect_launch, report_error
+from ..launch.env_vars import RankOutsideWorld
 from ..launch.malloc_tuning import tune_malloc
+from ..launch.rendezvous import tell_the_job
 from ..random_state import rng_state, seed_everything, set_rng_state
 from ..runtime.timeout import check_timeout
 from .compiled import keys_as_in, uncompiled, without_compiled_keys
@@ -85,7 +87,11 @@ def init(
             "tb.init() was already called in this process; use the job it returned "
             "(or call job.shutdown() before joining again)"
         )
-    env = detect_launch()
+    try:
+        env = detect_launch()
+    except RankOutsideWorld as exc:
+        tell_the_job(str(exc))  # the job's ranks wait for a process that will never join: they stop now too
+        raise
     timeout = check_timeout(timeout)  # a string, NaN or infinity too: one line, not a wait that never ends
     SameModelCheck.check_every_valid(check_every)
     threads = set_threads(threads, env)

@@ -17,6 +17,10 @@ from .environment import LaunchEnv, read_int, read_port, required_int
 REQUIRED = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+class RankOutsideWorld(UserError):
+    """RANK and WORLD_SIZE that give this process no place in the job (its peers would wait for ever)."""
+
+
 def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
     missing = [name for name in REQUIRED if not environ.get(name)]
     if missing and (read_int(environ, "WORLD_SIZE", default=1) or 1) > 1:
@@ -30,7 +34,7 @@ def detect(environ: Mapping[str, str]) -> Optional[LaunchEnv]:
         return None
     rank, world_size = required_int(environ, "RANK"), required_int(environ, "WORLD_SIZE")
     if world_size < 1 or not 0 <= rank < world_size:  # set by hand: the one launcher that can get them wrong
-        raise UserError(
+        raise RankOutsideWorld(
             f"RANK={rank} with WORLD_SIZE={world_size}: "
             + ("WORLD_SIZE must be at least 1" if world_size < 1 else f"RANK must be 0 to {world_size - 1}")
             + "; give the job's processes RANK 0, 1, ... WORLD_SIZE-1, one each"

@@ -141,7 +141,7 @@ def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
             wait_for_workers=False,
             master_listen_fd=listen_on_loopback(addr, port) if serves and is_loopback(addr) else None,
         )
-        return dist.PrefixStore(f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return dist.PrefixStore(store_prefix(), store)
     except Exception as exc:  # noqa: BLE001 - torch raises several types here
         if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
             raise UserError(
@@ -152,6 +152,34 @@ def open_store(env: LaunchEnv, timeout: float, addr: str, port: int):
             f"cannot reach the rendezvous at {addr}:{port} within {timeout:.0f}s: "
             f"{first_line(exc)}; check MASTER_ADDR/MASTER_PORT and that rank 0 is running"
         ) from None
+
+
+def store_prefix() -> str:
+    """The prefix of this attempt's keys in the store (torchrun restarts get a new one)."""
+    return f"trainbridge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+REFUSED = "trainbridge/refused"  # a process of the job that cannot join says why here
+
+
+def tell_the_job(message: str, environ=None, timeout: float = 10.0) -> None:
+    """Leave ``message`` in the job's store at MASTER_ADDR:MASTER_PORT, where its ranks wait for this
+    process, which will never join (a RANK outside WORLD_SIZE): they stop now instead of at their
+    timeout. Best effort, for at most ``timeout`` seconds: a store that is not there is left alone."""
+    import torch.distributed as dist
+
+    environ = os.environ if environ is None else environ
+    try:
+        store = dist.TCPStore(
+            environ["MASTER_ADDR"],
+            int(environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        dist.PrefixStore(store_prefix(), store).set(REFUSED, message)
+    except Exception:  # noqa: BLE001 - no store, no one waiting: nothing to tell
+        pass
 
 
 def listen_on_loopback(addr: str, port: int) -> int:
@@ -217,19 +245,29 @@ def agree_on_world_size(store, env: LaunchEnv, timeout: float, identity: str = "
     rank, world_size = env.rank, env.world_size
     store.set(f"trainbridge/world_size/{rank}", f"{world_size} {identity}")
     for other in range(1, world_size) if rank == 0 else [0]:
-        started = time.monotonic()
+        key, deadline = f"trainbridge/world_size/{other}", time.monotonic() + timeout
         try:
-            value = store.get(f"trainbridge/world_size/{other}")
-        except Exception as exc:  # noqa: BLE001
-            if time.monotonic() - started < timeout:  # the store went away: rank 0 failed
-                raise UserError(
-                    f"rank {rank} lost the rendezvous store on rank 0 before the job "
-                    f"started; rank 0 failed: see its error"
-                ) from None
+            # Polled, not a blocking get: a process of the job that was refused (tell_the_job) ends the wait.
+            while not store.check([key]):
+                if store.check([REFUSED]):
+                    refused = store.get(REFUSED)
+                    raise UserError(
+                        f"rank {rank}: a process of this job was refused and will never join "
+                        f"({refused.decode() if isinstance(refused, bytes) else refused}); this rank stops too"
+                    )
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
+                        f"expecting {world_size} processes); check that every rank was started"
+                    )
+                time.sleep(0.05)
+            value = store.get(key)
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - the store went away: rank 0 failed
             raise UserError(
-                f"rank {other} did not join within {timeout:.0f}s (rank {rank} waited, "
-                f"expecting {world_size} processes); check that every rank was started"
-            ) from exc
+                f"rank {rank} lost the rendezvous store on rank 0 before the job started; rank 0 failed: see its error"
+            ) from None
         size, _, job = (value.decode() if isinstance(value, bytes) else str(value)).partition(" ")
         if job != identity:
             raise UserError(

@@ -11,6 +11,7 @@ from conftest import MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, in_matrix, r
 
 SCRIPT = Path(__file__).parent / "hvd_scripts" / "no_hang.py"
 ABORTED_STEP = Path(__file__).parent / "hvd_scripts" / "aborted_step.py"
+MISMATCH = "ranks disagree on the shape of allreduce 'cached': rank 0 has [5], rank 1 has [4]"
 PHASES = ["rejected", "stall_warning", "stall_shutdown", "silent_peer", "engine_failure"]
 
 
@@ -46,3 +47,6 @@ def test_names_of_an_aborted_step_are_reused_at_once_on_every_rank(launcher):
     assert lines["0"].startswith("optimizer.zero_grad() was called after loss.backward() but before"), lines
     trained = dict(re.findall(r"TRAINED (\d) (\w+)", out))
     assert sorted(trained) == ["0", "1"] and trained["0"] == trained["1"], out[-3000:]
+    # A name the response cache holds, submitted with another shape on one rank: the mismatch on both ranks.
+    cached = re.findall(r"CACHED (\d) (.*)", out)
+    assert sorted(cached) == [("0", "ok"), ("0", MISMATCH), ("1", "ok"), ("1", MISMATCH)], out[-3000:]

@@ -6,10 +6,13 @@ it synchronizes them, and, in the ``except`` block, starts the same names again 
 them. A rank sleeps a random few milliseconds first, by turns, so that the retry meets the aborted
 operations at every stage: not yet negotiated, running, finished. Then a DistributedOptimizer step
 is aborted between backward and step(): the next ``zero_grad()`` raises Horovod's AssertionError on
-every rank; ``synchronize()`` finishes the aborted step and the next step trains on.
+every rank; ``synchronize()`` finishes the aborted step and the next step trains on. Last, a name the
+response cache holds is submitted again with another shape on rank 0 only: both ranks get the mismatch
+error, and the name then works again.
 
 Lines: ``ABORTED <rank> ok <rounds>`` or ``ABORTED <rank> FAIL <why>``; ``OPTIMIZER <rank> <the error's
-first line>``; ``TRAINED <rank> <digest of the weights>``.
+first line>``; ``TRAINED <rank> <digest of the weights>``; ``CACHED <rank> <the error's first line>``,
+then ``CACHED <rank> ok``.
 """
 import hashlib
 import random
@@ -72,6 +75,18 @@ def aborted_optimizer_step(model: torch.nn.Module) -> None:
     sys.stdout.flush()
 
 
+def cached_name_changed_on_one_rank() -> None:
+    for _ in range(3):  # agreed on, then decided from the cache
+        hvd.allreduce(torch.ones(4), name="cached")
+    try:
+        hvd.allreduce(torch.ones(5 if hvd.rank() == 0 else 4), name="cached")
+    except RuntimeError as exc:
+        sys.stdout.write(f"CACHED {hvd.rank()} {str(exc).splitlines()[0]}\n")
+    assert hvd.allreduce(torch.ones(4), name="cached", op=hvd.Sum).tolist() == [hvd.size()] * 4
+    sys.stdout.write(f"CACHED {hvd.rank()} ok\n")
+    sys.stdout.flush()
+
+
 hvd.init()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -83,4 +98,5 @@ except Exception as exc:  # noqa: BLE001 - reported as a line for the test
                      f"{traceback.format_exc().splitlines()[-3:]}\n")
 sys.stdout.flush()
 aborted_optimizer_step(net)
+cached_name_changed_on_one_rank()
 hvd.shutdown()

@@ -57,3 +57,19 @@ def test_the_default_cycle_time_and_fusion_threshold_are_horovods():
     with hvd_job() as engine:
         assert engine._settings.cycle_time_s == 0.001
         assert engine._settings.fusion_bytes == 128 * 1024 * 1024
+
+
+def test_a_name_repeated_unchanged_is_decided_from_the_cache_and_a_changed_one_is_announced_again(engine):
+    for _ in range(2):
+        assert hvd.allreduce(torch.ones(2), name="cached", op=hvd.Sum).tolist() == [1.0, 1.0]
+    key = (0, "cached")
+    assert engine._cache.key(0) == key and engine._cache.size == 1
+    assert hvd.allreduce(torch.ones(3), name="cached", op=hvd.Sum).tolist() == [1.0] * 3  # a new shape
+    assert engine._cache.decision(engine._cache._ids[key]).by_rank[0].shapes == ((3,),)
+
+
+def test_cache_capacity_0_turns_the_cache_off():
+    with hvd_job(HOROVOD_CACHE_CAPACITY="0") as engine:
+        for _ in range(2):
+            hvd.allreduce(torch.ones(2), name="uncached")
+        assert engine._cache.size == 0

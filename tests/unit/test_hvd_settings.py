@@ -23,7 +23,6 @@ ACCEPTED = {
     "HOROVOD_TORUS_ALLREDUCE": "0",
     "HOROVOD_CPU_OPERATIONS": "gloo",
     "HOROVOD_CONTROLLER": "GLOO",
-    "HOROVOD_CACHE_CAPACITY": "0",
     "HOROVOD_NUM_NCCL_STREAMS": "1",
     "HOROVOD_BATCH_D2D_MEMCOPIES": "0",
     "HOROVOD_DISABLE_NVTX_RANGES": "1",
@@ -32,15 +31,17 @@ ACCEPTED = {
 
 
 def test_defaults_are_horovods():
-    assert read({}) == Settings(fusion_bytes=128 * 1024 * 1024, cycle_time_s=0.001, timeline=None, log_level="warning")
+    assert read({}) == Settings(fusion_bytes=128 * 1024 * 1024, cycle_time_s=0.001, timeline=None, log_level="warning",
+                                cache_capacity=1024)
 
 
 def test_honoured_variables():
     got = read({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_TIMELINE": "/tmp/t.json",
                 "HOROVOD_TIMELINE_MARK_CYCLES": "1", "HOROVOD_DISABLE_GROUP_FUSION": "1",
-                "HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_LOG_HIDE_TIME": "1", "HOROVOD_GLOO_IFACE": "eth1"})
+                "HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_LOG_HIDE_TIME": "1", "HOROVOD_GLOO_IFACE": "eth1",
+                "HOROVOD_CACHE_CAPACITY": "0"})
     assert got == Settings(fusion_bytes=0, cycle_time_s=0.0025, timeline="/tmp/t.json", mark_cycles=True,
-                           group_fusion=False, log_level="debug", log_time=False, gloo_iface="eth1")
+                           group_fusion=False, log_level="debug", log_time=False, gloo_iface="eth1", cache_capacity=0)
     assert read({"HOROVOD_TIMELINE": "DYNAMIC"}).timeline == ""
 
 
@@ -60,7 +61,8 @@ def test_values_that_describe_what_the_torch_backend_does_are_accepted():
 
 @pytest.mark.parametrize("name, value", [("HOROVOD_FUSION_THRESHOLD", "64MB"), ("HOROVOD_FUSION_THRESHOLD", "-1"),
                                          ("HOROVOD_CYCLE_TIME", "fast"), ("HOROVOD_CYCLE_TIME", "nan"),
-                                         ("HOROVOD_LOG_LEVEL", "verbose"), ("HOROVOD_TIMELINE_MARK_CYCLES", "yes")])
+                                         ("HOROVOD_LOG_LEVEL", "verbose"), ("HOROVOD_TIMELINE_MARK_CYCLES", "yes"),
+                                         ("HOROVOD_CACHE_CAPACITY", "-1")])
 def test_a_bad_value_of_an_honoured_variable_is_refused(name, value):
     with pytest.raises(UserError, match=f"^{name}="):
         read({name: value})
@@ -70,7 +72,7 @@ def test_every_runtime_variable_of_horovod_is_honoured_or_refused():
     honoured = {"HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES",
                 "HOROVOD_DISABLE_GROUP_FUSION", "HOROVOD_LOG_LEVEL", "HOROVOD_LOG_HIDE_TIME", "HOROVOD_GLOO_IFACE",
                 "HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
-                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_DYNAMIC_PROCESS_SETS"}
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_CACHE_CAPACITY"}
     # horovod/common/common.h and logging.cc of 0.28.1, but the launcher's (HOROVOD_GLOO_TIMEOUT_SECONDS: horovodrun)
     horovod_runtime = {
         "HOROVOD_ELASTIC", "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES",

@@ -7,10 +7,13 @@ Contract (the same as Horovod's background loop):
   whatever the caller does next (for gradients: the rest of the backward pass).
 * Each cycle, ranks exchange their new announcements over a dedicated gloo group
   (see :mod:`.negotiation`); the ready operations then run in the same order on
-  every rank. A cycle starts at least HOROVOD_CYCLE_TIME after the previous one
-  started (Horovod's meaning: operations submitted meanwhile are negotiated, and
-  fused, together). A thread with nothing in flight does not cycle, so an idle job
-  costs nothing; the peers' cycle simply waits for it.
+  every rank. An operation the ranks have agreed on before is announced as one bit
+  of a small fixed-size array instead (:mod:`.response_cache`, Horovod's response
+  cache): a cycle with only such operations costs one tiny all_gather. A cycle
+  starts at least HOROVOD_CYCLE_TIME after the previous one started (Horovod's
+  meaning: operations submitted meanwhile are negotiated, and fused, together).
+  A thread with nothing in flight does not cycle, so an idle job costs nothing;
+  the peers' cycle simply waits for it.
 * Ready allreduces with the same dtype, device and op are fused into one flat
   buffer (Horovod's tensor fusion, up to HOROVOD_FUSION_THRESHOLD bytes; with
   HOROVOD_DISABLE_GROUP_FUSION=1 a grouped operation's tensors fuse only among
@@ -58,7 +61,7 @@ import datetime
 import os
 import threading
 import time
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -69,8 +72,9 @@ from ..runtime.timeout import DEFAULT_TIMEOUT_S
 from ..runtime.watchdog import WatchdogThread
 from .errors import HorovodInternalError, rejection_error
 from .log import enabled as log_enabled, log
-from .negotiation import PROCESS_SET_KINDS, Announcement, Decision, Key, Message, NegotiationTable
+from .negotiation import PROCESS_SET_KINDS, Announcement, CycleOutcome, Decision, Key, Message, NegotiationTable
 from .reduce_ops import TORCH_REDUCE_OPS, Average
+from .response_cache import ResponseCache, pack, unpack
 from .settings import DEFAULT_SETTINGS, Settings
 from .timeline import COLLECTIVES, Timeline, display_name
 
@@ -91,25 +95,33 @@ SUPPORTED_DTYPES = (
 
 
 class Handle:
-    """Completion of one submitted operation: ``wait()`` returns its result or raises its error."""
+    """Completion of one submitted operation: ``wait()`` returns its result or raises its error.
+
+    A plain lock, held from creation to :meth:`finish`, is the signal: cheaper than an Event (a Condition
+    and a lock per operation), which counts at thousands of small operations a second."""
 
     def __init__(self, engine_alive=lambda: True) -> None:
-        self._done = threading.Event()
+        self._pending = threading.Lock()
+        self._pending.acquire()
+        self._finished = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._engine_alive = engine_alive
 
     def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
+        if self._finished:
+            return
+        self._result, self._error, self._finished = result, error, True
+        self._pending.release()
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self) -> Any:
-        while not self._done.wait(timeout=1.0):  # short waits keep Ctrl-C responsive
-            if not self._engine_alive() and not self._done.is_set():
+        while not self._pending.acquire(timeout=1.0):  # short waits keep Ctrl-C responsive
+            if not self._engine_alive() and not self._finished:
                 raise HorovodInternalError("the trainbridge.hvd engine thread ended without finishing this operation")
+        self._pending.release()  # for any other waiter
         if self._error is not None:
             raise self._error
         return self._result
@@ -186,6 +198,11 @@ class Engine:
         self._cuda = cuda_group  # nccl for CUDA tensors, when available
         members = self.process_sets[set_id]
         self._table = NegotiationTable(len(members), members, set_id)
+        self._set_members = members
+        self._cache = ResponseCache(settings.cache_capacity)
+        self._bits: Dict[int, Key] = {}  # cache id -> this rank's pending operation submitted as that bit
+        self._bits_by_rank: List[Set[int]] = []  # the ids each member had pending in the last cycle
+        self._idle = False  # the engine thread waits for work (a submission must wake it)
         self._next_set_id = 1
         self._cv = threading.Condition()
         self._outbox: List = []
@@ -257,7 +274,8 @@ class Engine:
         if request is not None:
             self._local[request.key] = request
         self._outbox.append((name, announcement))
-        self._cv.notify()
+        if self._idle:
+            self._cv.notify()
 
     def _announce_next(self, key: Key) -> None:
         """``key``'s operation was decided: announce what waits behind it, up to the next operation; holds _cv."""
@@ -341,14 +359,29 @@ class Engine:
         try:
             while True:
                 message = self._next_message()
-                gathered: List[Optional[Message]] = [None] * len(self._table.ranks)
-                dist.all_gather_object(gathered, message, group=self._control)
-                messages = cast(List[Message], gathered)  # all_gather_object filled every slot
-                outcome = self._table.apply(messages)
+                announcing = bool(message.announcements or message.join or message.shutdown)
+                cached: List[Decision] = []
+                if self._settings.cache_capacity > 0:
+                    # Every cycle: who announces in full, and which cached operations each rank has pending.
+                    with self._cv:
+                        header = pack(self._bits, self._cache.size, announcing)
+                    parts = [torch.empty_like(header) for _ in self._set_members]
+                    dist.all_gather(parts, header, group=self._control)
+                    announcing, self._bits_by_rank = unpack(parts, self._cache.size)
+                    cached = self._cached_decisions()
+                messages: List[Message] = []
+                outcome = CycleOutcome([], None, [])
+                if announcing:
+                    gathered: List[Optional[Message]] = [None] * len(self._set_members)
+                    dist.all_gather_object(gathered, message, group=self._control)
+                    messages = cast(List[Message], gathered)  # all_gather_object filled every slot
+                    outcome = self._table.apply(messages)
+                    self._update_cache(messages, outcome.ready)
                 self.cycles += 1
+                ready = outcome.ready + cached
                 if self._timeline is not None or log_enabled("debug"):
-                    self._record(messages, outcome.ready)
-                self._run(outcome.ready)
+                    self._record(messages, ready, cached)
+                self._run(ready)
                 if outcome.join_completed_by is not None:
                     with self._cv:
                         handle, self._join = self._join, None
@@ -382,13 +415,50 @@ class Engine:
             error.__cause__ = exc
             self._close(error)
 
-    def _record(self, messages: List[Message], ready: List[Decision]) -> None:
+    def _cached_decisions(self) -> List[Decision]:
+        """The cached operations every member has pending (in id order, the same on every rank)."""
+        if self._table.joined or not self._bits_by_rank:
+            return []  # a rank that joined contributes zeros: only the full negotiation knows that
+        decisions = []
+        for cache_id in sorted(set.intersection(*self._bits_by_rank)):
+            with self._cv:
+                self._bits.pop(cache_id, None)
+            decisions.append(self._cache.decision(cache_id))
+        return decisions
+
+    def _update_cache(self, messages: List[Message], ready: List[Decision]) -> None:
+        """After a full negotiation, on every rank alike: a name some rank announced in full leaves the cache
+        (this rank then announces it in full too, if it had set its bit), and what is decided now is cached."""
+        if self._settings.cache_capacity == 0:
+            return
+        with self._cv:
+            for message in messages:
+                for name, announcement in message.announcements:
+                    cache_id = self._cache.drop((announcement.process_set, name))
+                    if cache_id is not None and cache_id in self._bits:
+                        self._reannounce(self._bits.pop(cache_id))
+            if self._table.joined:
+                for key in list(self._bits.values()):  # after a join, only the full negotiation decides
+                    self._reannounce(key)
+                self._bits.clear()
+        for decision in ready:
+            self._cache.add(decision, self._set_members)
+
+    def _reannounce(self, key: Key) -> None:
+        """Announce in full the pending operation ``key`` that this rank had submitted as a cache bit; holds _cv."""
+        request = self._local[key]
+        self._outbox.append((key[1], request.announcement))
+
+    def _record(self, messages: List[Message], ready: List[Decision], cached: List[Decision]) -> None:
         """The cycle in the timeline (rank 0) and in the debug log: who announced what, what was decided."""
         timeline = self._timeline
         if timeline is not None:
             for rank, message in zip(self._table.ranks, messages):
                 for name, announcement in message.announcements:
                     timeline.announced(display_name(announcement.kind, name), announcement.kind, rank)
+            for decision in cached:  # every member's bit arrived in this cycle
+                for rank in decision.by_rank:
+                    timeline.announced(display_name(decision.kind, decision.name), decision.kind, rank)
         for decision in ready:
             runs = decision.error is None and decision.kind not in PROCESS_SET_KINDS + ("barrier",)
             if timeline is not None:
@@ -412,15 +482,27 @@ class Engine:
         """This rank's message for the next cycle, once there is something to say or wait for, and once
         HOROVOD_CYCLE_TIME has passed since the last cycle started."""
         with self._cv:
+            self._idle = True
             while not (self._outbox or self._local or self._join is not None or self._shutdown_requested):
                 self._cv.wait()
+            self._idle = False
             start = self._last_cycle + self._settings.cycle_time_s
             while not self._shutdown_requested and time.monotonic() < start:
                 self._cv.wait(timeout=start - time.monotonic())
             self._last_cycle = time.monotonic()
             if self._timeline is not None:
                 self._timeline.cycle_start()
-            announcements, self._outbox = self._outbox, []
+            announcements = []
+            for name, announcement in self._outbox:
+                key = (announcement.process_set, name)
+                cache_id = None
+                if announcement.error is None and key in self._local and not self._table.joined:
+                    cache_id = self._cache.lookup(key, self.rank, announcement)
+                if cache_id is None:
+                    announcements.append((name, announcement))
+                else:
+                    self._bits[cache_id] = key
+            self._outbox = []
             join = self._join is not None and not self._join_announced
             self._join_announced = self._join_announced or join
             return Message(announcements, join, self._shutdown_requested)
@@ -433,8 +515,11 @@ class Engine:
     def _missing(self, request: Request) -> List[int]:
         """The members that have not announced ``request`` yet (as far as this rank has heard)."""
         try:
-            submitted = dict(self._table.pending.get(request.key, {}))
+            submitted = set(self._table.pending.get(request.key, {}))
             joined = list(self._table.joined) if request.key[0] == 0 else []
+            cache_id = next((i for i, key in self._bits.items() if key == request.key), None)
+            if cache_id is not None:  # submitted as a cache bit: who had it in the last cycle
+                submitted = {r for r, ids in zip(self._set_members, self._bits_by_rank) if cache_id in ids}
         except RuntimeError:  # the engine thread changed the table meanwhile: ask again next time
             return []
         members = self.process_sets.get(request.key[0], ())
@@ -550,11 +635,13 @@ class Engine:
     # ----- execution --------------------------------------------------------
     def _run(self, decisions: List[Decision]) -> None:
         runnable = []
-        for decision in decisions:
-            with self._cv:
+        with self._cv:
+            requests = []
+            for decision in decisions:
                 # None: this rank rejected its input, is not in the set, or joined (contributes zeros)
-                request = self._local.pop((decision.process_set, decision.name), None)
+                requests.append(self._local.pop((decision.process_set, decision.name), None))
                 self._announce_next((decision.process_set, decision.name))
+        for decision, request in zip(decisions, requests):
             if decision.error is not None:
                 if request is not None:
                     request.handle.finish(error=rejection_error(decision.error_type, decision.error))
@@ -567,9 +654,7 @@ class Engine:
         timeline = self._timeline
         allreduces = [(d, r) for d, r in runnable if d.kind == "allreduce"]
         for (decision, request), outputs in zip(allreduces, self._reduce(allreduces)):
-            if request is not None:
-                if request.outputs is not None:
-                    outputs = [target.copy_(out) for target, out in zip(request.outputs, outputs)]
+            if request is not None:  # outputs are the request's preallocated ones, filled, if it has them
                 request.handle.finish(tuple(outputs) if request.grouped else outputs[0])
             if timeline is not None:
                 timeline.finished(display_name("allreduce", decision.name), outputs[0])
@@ -608,23 +693,26 @@ class Engine:
         ]
 
     def _reduce(self, entries: List[tuple]) -> List[List[torch.Tensor]]:
-        """Reduce every tensor of every (decision, request); returns the reduced tensors per entry.
+        """Reduce every tensor of every (decision, request); returns the reduced tensors per entry: the
+        request's preallocated outputs, filled, where it has them.
 
         Tensors that share process set, dtype, device and op are fused into flat
         buffers of at most HOROVOD_FUSION_THRESHOLD bytes: one collective per buffer.
         The buckets depend only on the agreed announcements, so every rank builds the same ones.
+        A tensor alone in its buffer is reduced in its output itself (no fusion buffer, as in Horovod).
         """
         results: List[List[Optional[torch.Tensor]]] = []
         buckets: Dict[tuple, List[tuple]] = collections.OrderedDict()
         for index, (decision, request) in enumerate(entries):
             ref = decision.reference()
             inputs = request.inputs if request is not None else self._zeros_like(ref)
+            targets = request.outputs if request is not None and request.outputs is not None else [None] * len(inputs)
             results.append([None] * len(inputs))
             # HOROVOD_DISABLE_GROUP_FUSION=1: a grouped operation's tensors share buffers only with each other.
             group = decision.name if len(ref.shapes) > 1 and not self._settings.group_fusion else None
-            for slot, tensor in enumerate(inputs):
+            for slot, (tensor, target) in enumerate(zip(inputs, targets)):
                 key = (decision.process_set, tensor.dtype, ref.device, ref.op, group)
-                buckets.setdefault(key, []).append((index, slot, tensor, ref))
+                buckets.setdefault(key, []).append((index, slot, tensor, ref, target))
         timeline = self._timeline
         for (set_id, dtype, device, op, _), items in buckets.items():
             members = len(self.process_sets[set_id])
@@ -634,19 +722,58 @@ class Engine:
                 if timeline is not None:
                     shown = list(dict.fromkeys(display_name(entries[i][0].kind, entries[i][0].name) for i, *_ in chunk))
                     timeline.activity(shown, "MEMCPY_IN_FUSION_BUFFER" if len(chunk) > 1 else None)
-                flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1).to(home) for _, _, t, ref in chunk])
+                # Average is Sum then 1/size, folded into the post-scale as Horovod does.
+                posts = [ref.postscale / members if op == Average else ref.postscale for *_, ref, _ in chunk]
+                _, _, tensor, ref, target = chunk[0]
+                if len(chunk) == 1 and self._reducible_in(target, tensor, home):
+                    if target is not tensor or ref.prescale != 1.0:
+                        target.copy_(scaled(tensor, ref.prescale))
+                    if timeline is not None:
+                        timeline.activity(shown, COLLECTIVES.get(("allreduce", device), "GLOO_ALLREDUCE"))
+                    dist.all_reduce(target, op=TORCH_REDUCE_OPS[op], group=self._group_for(target, set_id))
+                    if posts[0] != 1.0:
+                        target.copy_(scaled(target, posts[0]))
+                    results[chunk[0][0]][chunk[0][1]] = target
+                    if timeline is not None:
+                        timeline.activity(shown, None)
+                    continue
+                flat = torch.cat([transport(scaled(t, ref.prescale)).reshape(-1).to(home) for _, _, t, ref, _ in chunk])
                 if timeline is not None:
                     timeline.activity(shown, COLLECTIVES.get(("allreduce", device), "GLOO_ALLREDUCE"))
                 dist.all_reduce(flat, op=TORCH_REDUCE_OPS[op], group=self._group_for(flat, set_id))
                 if timeline is not None:
                     timeline.activity(shown, "MEMCPY_OUT_FUSION_BUFFER" if len(chunk) > 1 else None)
+                same_post = flat.dtype == dtype and len(set(posts)) == 1  # scale the buffer once
+                if same_post and posts[0] != 1.0:
+                    flat = scaled(flat, posts[0])
+                targets = [item[4] for item in chunk]
+                outputs = [t for t in targets if t is not None and t.device == flat.device]
+                if same_post and len(outputs) == len(chunk):
+                    # Every result has its output: one batched copy out of the buffer.
+                    parts = torch.split(flat, [item[2].numel() for item in chunk])
+                    torch._foreach_copy_([t.view(-1) for t in outputs], list(parts))
+                    for (index, slot, *_), target in zip(chunk, targets):
+                        results[index][slot] = target
+                    continue
                 offset = 0
-                for index, slot, tensor, ref in chunk:
+                for (index, slot, tensor, _, target), post in zip(chunk, posts):
                     part = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.device, dtype)
                     offset += tensor.numel()
-                    # Average is Sum then 1/size, folded into the post-scale as Horovod does.
-                    results[index][slot] = scaled(part, ref.postscale / members if op == Average else ref.postscale)
+                    if not same_post:
+                        part = scaled(part, post)
+                    results[index][slot] = part if target is None else target.copy_(part)
         return cast(List[List[torch.Tensor]], results)  # every slot was filled above
+
+    @staticmethod
+    def _reducible_in(target: Optional[torch.Tensor], tensor: torch.Tensor, home: torch.device) -> bool:
+        """Whether ``tensor``'s allreduce can run in its preallocated output ``target`` itself."""
+        return (
+            target is not None
+            and target.is_contiguous()
+            and target.dtype == tensor.dtype
+            and tensor.dtype not in TRANSPORT_DTYPES
+            and target.device == home
+        )
 
     def _by_size(self, items: List[tuple]) -> Iterator[List[tuple]]:
         chunk: List[tuple] = []

@@ -24,6 +24,7 @@ without processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .reduce_ops import OP_NAMES, Sum
@@ -69,7 +70,7 @@ class Decision:
     error_type: str = "TensorMismatchError"  # or the type a rank raised when it rejected its input
     process_set: int = 0
 
-    @property
+    @functools.cached_property
     def kind(self) -> str:
         return next(iter(self.by_rank.values())).kind
 

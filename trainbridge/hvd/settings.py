@@ -17,6 +17,8 @@ HOROVOD_LOG_LEVEL                   warning                    trace, debug, inf
 HOROVOD_LOG_HIDE_TIME               0                          ``1``: log lines without the time
 HOROVOD_GLOO_IFACE                  unset                      the network interface gloo uses
                                                                (GLOO_SOCKET_IFNAME, unless that is set)
+HOROVOD_CACHE_CAPACITY              1024                       operations held in the response cache
+                                                               (:mod:`.response_cache`); 0: no cache
 ==================================  =========================  ==============================================
 
 The stall variables (``HOROVOD_STALL_CHECK_*``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) are read by the
@@ -56,6 +58,7 @@ class Settings:
     log_level: str = "warning"
     log_time: bool = True
     gloo_iface: Optional[str] = None
+    cache_capacity: int = 1024
 
 
 DEFAULT_SETTINGS = Settings()
@@ -113,10 +116,6 @@ REFUSED: Dict[str, Tuple[Callable[[str], bool], str]] = {
         "the torch backend does not run collectives over MPI (mpirun only starts its processes); unset it",
     ),
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": (_set, f"Adasum needs the real Horovod; unset it, or {HOROVODRUN}"),
-    "HOROVOD_CACHE_CAPACITY": (
-        _positive,
-        "the torch backend has no response cache (every cycle negotiates by name); set it to 0 or unset it",
-    ),
     "HOROVOD_NUM_NCCL_STREAMS": (_not("1"), "the torch backend runs nccl on one stream per process set; unset it"),
     "HOROVOD_BATCH_D2D_MEMCOPIES": (
         _positive,
@@ -149,7 +148,9 @@ def _refuse(name: str, value: str, why: str) -> UserError:
     return UserError(f"{name}={value}: {why}")
 
 
-def _integer(environ: Mapping[str, str], name: str, default: int) -> int:
+def _integer(
+    environ: Mapping[str, str], name: str, default: int, what: str = "bytes (e.g. 67108864 for 64 MiB)"
+) -> int:
     value = environ.get(name, "").strip()
     if not value:
         return default
@@ -158,7 +159,7 @@ def _integer(environ: Mapping[str, str], name: str, default: int) -> int:
     except ValueError:
         number = -1
     if number < 0:
-        raise _refuse(name, value, "give a whole number of bytes, 0 or more (e.g. 67108864 for 64 MiB)")
+        raise _refuse(name, value, f"give a whole number, 0 or more, of {what}")
     return number
 
 
@@ -203,4 +204,5 @@ def read(environ: Mapping[str, str] = os.environ) -> Settings:
         log_level=level,
         log_time=not _switch(environ, "HOROVOD_LOG_HIDE_TIME"),
         gloo_iface=environ.get("HOROVOD_GLOO_IFACE", "").strip() or None,
+        cache_capacity=_integer(environ, "HOROVOD_CACHE_CAPACITY", 1024, "names (0 turns the cache off)"),
     )

@@ -102,8 +102,8 @@ class HookedAverage:
         self.pending[p] = self.start_average(grad, self.names[p])
 
     def _finish_after(self, node: Any) -> None:
-        """Run :meth:`_finish` at the end of the pass that runs ``node`` (the callback queue of the pass running now)."""
-        queued = []
+        """Run :meth:`_finish` at the end of the pass that runs ``node`` (that pass's callback queue)."""
+        queued: List[bool] = []
 
         def queue_finish(grad_inputs: object, grad_outputs: object) -> None:
             if not queued:  # once, also if the graph is kept (retain_graph) and run again

@@ -98,6 +98,8 @@ RANK_DIVERGENT = {
     "allreduce-dtype": r"job\.allreduce's tensor: the ranks disagree at \['dtype'\] "
                        r"\(rank 0: 'torch\.float32'; rank 1: 'torch\.int32'\)",
     "allreduce-shape": r"the ranks disagree at \['shape'\] \(rank 0: \(3,\); rank 1: \(4,\)\)",
+    "global-batch-uneven": r"train_loader: a global batch of 13 cannot be dealt evenly among 2 ranks; use a "
+                           r"multiple of 2 \(12 or 14\)$",
     # Refused before anything is written (test_rank_divergent_inputs_name_the_ranks_and_values checks the folder).
     "copy-before-prepare": r"the ranks hold different models at job\.save\(.*ckpt\.pt'\), step \d+: '0\.weight' of "
                            r"job\.save's 'ema' differs \(rank 0 vs rank 1\); .*copy it after prepare",

@@ -3,6 +3,7 @@
 Rank-divergent inputs (run under a launcher with 2 ranks):
     dataset-size, seed, batch-size, lr, optimizer, second-optimizer, compression, shapes, allreduce-dtype,
     allreduce-shape, shm-on-sparse (shm_allreduce="on" for sparse gradients: refused where 2 ranks share a host),
+    global-batch-uneven (a global batch the 2 ranks cannot share evenly),
     diverged-weight (a weight nudged on rank 1 after prepare; the job checks every CHECK_EVERY steps),
     copy-before-prepare (an EMA copy of per-rank initial weights, given to job.save)
 Misuse in one process:
@@ -70,6 +71,8 @@ def misuse(job: tb.Job, mode: str, out: str) -> None:
     if mode == "prepare-twice":
         job.prepare(model, optimizer)
     batch_size = 2.5 if mode == "batch-size-float" else 10 + (rank if mode == "batch-size" else 0)
+    if mode == "global-batch-uneven":
+        job.train_loader(data, global_batch_size=13)
     loader = job.train_loader(data, batch_size=batch_size,
                               seed=rank if mode == "seed" else 0)
     if mode == "allreduce-dtype":

@@ -106,3 +106,18 @@ def test_a_layer_unfrozen_after_prepare_trains(job):
     expected = model[0].weight.grad.clone()
     job.step(optimizer)
     assert torch.allclose(model[0].weight, before - 0.1 * expected)
+
+
+def test_a_global_batch_is_dealt_among_the_ranks(job):
+    data = torch.utils.data.TensorDataset(torch.arange(40.0))
+    loader = job.train_loader(data, global_batch_size=8, seed=1)
+    assert (loader.batch_size, loader.global_batch_size) == (8 // job.world_size, 8)
+    assert [b[0].tolist() for b in loader] == [b[0].tolist() for b in job.train_loader(data, batch_size=8, seed=1)]
+
+
+@pytest.mark.parametrize("given,said", [({}, "neither"), ({"batch_size": 4, "global_batch_size": 4}, "both"),
+                                        ({"global_batch_size": 0}, "at least 1"),
+                                        ({"global_batch_size": 2.5}, "at least 1")])
+def test_train_loader_takes_one_batch_size(job, given, said):
+    with pytest.raises(UserError, match=f"train_loader: .*{said}"):
+        job.train_loader(torch.utils.data.TensorDataset(torch.arange(8.0)), **given)

@@ -442,13 +442,25 @@ class Job:
         self._seed_per_rank_at_prepare = seed if per_rank else None
 
     # ----- data -----------------------------------------------------------------
-    def train_loader(self, dataset, batch_size: int, seed: int = 0, **dataloader_options: Any) -> TrainLoader:
-        """This rank's shuffled shard of a map-style ``dataset``, in batches of ``batch_size`` on ``job.device``.
+    def train_loader(
+        self,
+        dataset,
+        batch_size: Optional[int] = None,
+        seed: int = 0,
+        *,
+        global_batch_size: Optional[int] = None,
+        **dataloader_options: Any,
+    ) -> TrainLoader:
+        """This rank's shuffled shard of a map-style ``dataset``, in batches on ``job.device``.
 
-        The global batch is ``batch_size * world_size``; the same global batch gives
-        the same samples per step under any world size. ``dataloader_options`` go
-        to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
+        Give the batch of one step over all ranks, ``global_batch_size`` (each rank
+        takes ``global_batch_size / world_size`` of it: a script that names its global
+        batch trains the same at any world size), or ``batch_size``, this rank's
+        (the global batch is then ``batch_size * world_size``). The same global batch
+        gives the same samples per step under any world size. ``dataloader_options``
+        go to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
+        batch_size = self._per_rank_batch(batch_size, global_batch_size)
         # Before the loader checks its other arguments: a rank whose own check failed would leave the others waiting.
         with self._waiting("job.train_loader"):
             self.backend.check_same_on_every_rank(
@@ -468,6 +480,32 @@ class Job:
             worker_wait=self._waiting_for_workers,
             **dataloader_options,
         )
+
+    def _per_rank_batch(self, batch_size: Optional[int], global_batch_size: Optional[int]) -> Any:
+        """This rank's batch from exactly one of ``batch_size`` and ``global_batch_size``."""
+        if (batch_size is None) == (global_batch_size is None):
+            raise UserError(
+                "train_loader: give either batch_size= (per rank) or global_batch_size= (over all ranks), "
+                f"not {'both' if batch_size is not None else 'neither'}",
+                quiet=not self.is_main,
+            )
+        if global_batch_size is None:
+            return batch_size
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise UserError(
+                f"train_loader: global_batch_size must be a whole number of at least 1 (got {global_batch_size!r})",
+                quiet=not self.is_main,
+            )
+        if global_batch_size % self.world_size:
+            lower = (global_batch_size // self.world_size) * self.world_size
+            higher = lower + self.world_size
+            raise UserError(
+                f"train_loader: a global batch of {global_batch_size} cannot be dealt evenly among "
+                f"{self.world_size} ranks; use a multiple of {self.world_size}"
+                + (f" ({lower} or {higher})" if lower else f" ({higher})"),
+                quiet=not self.is_main,
+            )
+        return global_batch_size // self.world_size
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""

@@ -4,9 +4,10 @@ Training: every rank draws one permutation of the dataset from ``seed + epoch``;
 step k covers one slice of it, of one global batch, and rank r takes every
 world_size-th sample of the slice (:mod:`trainbridge.data.sampler`). So 2 ranks
 with batch B see the same samples per step as 1 rank with batch 2B, and a loop
-ends with the same weights under every launcher, at any dataset size. Each batch
-is loaded under its own seed (:mod:`trainbridge.data.seeded`), so random
-augmentation resumes bitwise too.
+ends with the same weights under every launcher, at any dataset size. Each sample
+is loaded under its own seed, from (seed, epoch, sample index)
+(:mod:`trainbridge.data.seeded`), so random augmentation is the same at any world
+size and worker count, and resumes bitwise too.
 
 Evaluation: strided and unpadded. ``DistributedSampler`` pads the last shard
 with repeats, which counts some samples twice; here shards differ in length by

@@ -13,6 +13,10 @@ each time), on every world size, one process included. Padding the last batch
 with repeats, as DistributedSampler does, would train more samples on more ranks
 and change the weights with the world size.
 
+Each sample's random draws in the dataset (augmentation) come from a seed of its
+own, made from (seed, epoch, sample index): not from the rank, the world size, the
+batch or the worker that loads it, so augmentation too is the same at any world size.
+
 ``position`` (samples of the epoch's order already trained) lets a pass start
 where a checkpoint stopped:
 
@@ -42,11 +46,23 @@ def mix_seed(*values: int) -> int:
 
 
 class SeededBatch(list):
-    """One rank's indices for one step, with the seed its random transforms use (see :mod:`..data.seeded`)."""
+    """One rank's indices for one step, with the seed of each sample's random transforms (see :mod:`..data.seeded`).
 
-    def __init__(self, indices: List[int], seed: int) -> None:
+    ``seed``: the first sample's, the one seed of a dataset that loads whole batches itself.
+    """
+
+    def __init__(self, indices: List[int], seeds: List[int]) -> None:
         super().__init__(indices)
-        self.seed = seed
+        self.seeds = seeds
+
+    @property
+    def seed(self) -> int:
+        return self.seeds[0]
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s random draws in ``epoch``: the same on every rank and world size."""
+    return mix_seed(seed, epoch, index)
 
 
 def epoch_order(size: int, seed: int, epoch: int) -> List[int]:
@@ -65,8 +81,8 @@ class TrainBatches:
     """A batch sampler: this rank's indices for each step of one pass, from ``position`` on.
 
     Set the pass with :meth:`set_pass` before iterating. Each batch carries a seed
-    from (seed, epoch, position in the epoch, rank), so random augmentation does
-    not depend on which worker process, or which run, loads it.
+    per sample, from (seed, epoch, sample index), so random augmentation depends
+    neither on the world size nor on which worker process, or which run, loads it.
     """
 
     def __init__(self, size: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
@@ -88,6 +104,5 @@ class TrainBatches:
         g, w = self.global_batch, self.world_size
         for step in range(len(self)):
             start = self.position + step * g
-            yield SeededBatch(
-                order[start + self.rank : start + g : w], mix_seed(self.seed, self.epoch, start, self.rank)
-            )
+            indices = order[start + self.rank : start + g : w]
+            yield SeededBatch(indices, [sample_seed(self.seed, self.epoch, i) for i in indices])

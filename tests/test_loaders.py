@@ -357,6 +357,42 @@ def test_a_mid_epoch_resume_with_workers_gives_bitwise_the_same_augmented_batche
     assert_bitwise(rest[1], reference[1])
 
 
+def by_sample(batches_of_ranks):
+    """{sample index: its augmented row} over the batches of every rank (Noisy's rows start with the index)."""
+    return {int(row[0]): row for batches in batches_of_ranks for b in batches for row in b}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_sample_is_augmented_alike_at_any_world_size_and_worker_count(world):
+    # The global batch of 12 dealt among the ranks: each sample gets the same draws as in one process.
+    one = noisy_passes(train_loader(Noisy(), 12, seed=2), passes=2)
+    ranks = [noisy_passes(train_loader(Noisy(), 12 // world, rank=r, world=world, seed=2, num_workers=r % 2 * 2),
+                          passes=2) for r in range(world)]
+    for epoch in range(2):
+        alone, dealt = by_sample([one[epoch]]), by_sample([r[epoch] for r in ranks])
+        assert alone.keys() == dealt.keys() and len(alone) == 60
+        assert all(torch.equal(alone[i], dealt[i]) for i in alone), epoch
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_resume_at_another_world_size_continues_each_samples_augmentation_exactly(world):
+    reference = noisy_passes(train_loader(Noisy(), 12, seed=2), passes=2)
+    interrupted = [train_loader(Noisy(), 6, rank=r, world=2, seed=2, num_workers=2) for r in range(2)]
+    for loader in interrupted:
+        for i, _ in enumerate(loader):
+            if i == 1:  # 2 steps trained
+                state = loader.state_dict()
+                break
+    resumed = [train_loader(Noisy(), 12 // world, rank=r, world=world, seed=2) for r in range(world)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    rest = [noisy_passes(loader, passes=2) for loader in resumed]
+    assert by_sample([r[0] for r in rest]).keys() == by_sample([reference[0][2:]]).keys()
+    for epoch, expected in ((0, reference[0][2:]), (1, reference[1])):
+        got, want = by_sample([r[epoch] for r in rest]), by_sample([expected])
+        assert got.keys() == want.keys() and all(torch.equal(got[i], want[i]) for i in want)
+
+
 # ----- launched: the same training at sizes that are not a multiple of the global batch ----------
 SIZES = (1000, 1001, 1003)
 EPOCHS = 3

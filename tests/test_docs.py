@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
 from conftest import PYTHON, TORCHRUN, check, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,17 +118,41 @@ def test_the_readme_example_is_the_quickstarts_runnable_one():
     assert all(block in runnable_blocks() for block in readme), "README.md's Python example must be the quickstart's"
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_runnable_blocks_run(launcher, tmp_path):
+@pytest.fixture(scope="module")
+def blocks_run(tmp_path_factory):
+    """Every runnable block under python and under torchrun with 2 ranks: {launcher: [(folder, result)]}."""
     blocks = runnable_blocks()
     assert blocks
-    for number, block in enumerate(blocks):
-        script = tmp_path / f"block{number}.py"
-        script.write_text(block)
-        cmd = [PYTHON, str(script)] if launcher == "python" else \
-            [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script)]
-        result = check(run(cmd, timeout=120, cwd=str(tmp_path)))
+    done = {}
+    for launcher in ("python", "torchrun"):
+        for number, block in enumerate(blocks):
+            folder = tmp_path_factory.mktemp(f"block{number}_{launcher}")
+            script = folder / "block.py"
+            script.write_text(block)
+            cmd = [PYTHON, str(script)] if launcher == "python" else \
+                [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script)]
+            done.setdefault(launcher, []).append((folder, run(cmd, timeout=120, cwd=str(folder))))
+    return done
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_runnable_blocks_run(launcher, blocks_run):
+    for _, result in blocks_run[launcher]:
+        check(result)
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_runnable_blocks_keep_their_promise_of_the_same_weights(blocks_run):
+    # "gives the same weights under each": one process and 2 ranks end with the same model (float32 rounding).
+    compared = 0
+    for (one, _), (two, _) in zip(blocks_run["python"], blocks_run["torchrun"]):
+        if (one / "checkpoint.pt").exists():
+            a = torch.load(one / "checkpoint.pt", weights_only=True)["model"]
+            b = torch.load(two / "checkpoint.pt", weights_only=True)["model"]
+            diff = max((a[k] - b[k]).abs().max().item() for k in a)
+            assert diff < 1e-5, f"python and torchrun 2 ended {diff:.3g} apart"
+            compared += 1
+    assert compared
 
 
 def test_included_files_exist_and_are_run_by_the_tests():

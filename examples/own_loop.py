@@ -59,8 +59,7 @@ def main(args) -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = job.prepare(model, optimizer, amp=args.amp)
-    loader = job.train_loader(train_set, batch_size=args.global_batch // job.world_size, seed=0,
-                              num_workers=args.workers)
+    loader = job.train_loader(train_set, global_batch_size=args.global_batch, seed=0, num_workers=args.workers)
     total_steps = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
 

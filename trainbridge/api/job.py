@@ -402,9 +402,9 @@ class Job:
             self.backend.step(optimizer, self.scaler)
         self._steps += 1
         if self._same_model.due(self._steps):
-            self._check_same_model(f"after step {self._steps}")
+            self._check_same_model(f"after step {self._steps}", call="job.step")
 
-    def _check_same_model(self, when: str, saved: Optional[Mapping[str, Any]] = None) -> None:
+    def _check_same_model(self, when: str, call: str, saved: Optional[Mapping[str, Any]] = None) -> None:
         """The ranks' prepared models (and the modules in ``saved``) are bitwise alike, or one line (same_model.py)."""
         modules: Dict[str, torch.nn.Module] = {}
         named = {id(self.unwrap(v)): k for k, v in (saved or {}).items() if isinstance(v, torch.nn.Module)}
@@ -418,7 +418,7 @@ class Job:
         for key, value in (saved or {}).items():
             if isinstance(value, torch.nn.Module) and id(self.unwrap(value)) not in prepared:
                 modules[f"job.save's {key!r}"] = self.unwrap(value)
-        with self._waiting("the check that the ranks hold the same model"):
+        with self._waiting(f"{call} (the check that the ranks hold the same model)"):
             self._same_model.check(modules, when)
 
     def set_seed(self, seed: int, per_rank: bool = True) -> None:
@@ -523,7 +523,9 @@ class Job:
             device=self.device,
             before_fork=self._before_fork,
             worker_wait=self._waiting_for_workers,
-            before_pass=lambda: self._check_same_model(f"at an evaluation, step {self._steps}"),
+            before_pass=lambda: self._check_same_model(
+                f"at an evaluation, step {self._steps}", call="the eval_loader's pass"
+            ),
             **dataloader_options,
         )
 
@@ -676,7 +678,8 @@ class Job:
                 f"store yours under another name",
                 quiet=not self.is_main,
             )
-        self._check_same_model(f"at job.save({path!r}), step {self._steps}", saved=obj)  # before anything is written
+        # Before anything is written; a wait here is the save's (a rank-0-only save reads as such).
+        self._check_same_model(f"at job.save({path!r}), step {self._steps}", call=f"job.save({path!r})", saved=obj)
         state = {key: self._state_of(value) for key, value in obj.items()}
         problem = unloadable_value(state)
         if problem is not None:

@@ -5,6 +5,7 @@ in one job (float64, a fixed global batch): each must end within 1e-9 of one pla
 process, every rank holding rank 0's weights bit for bit, and pass its module's own check.
 Each launcher is started once; each program is checked by its own test.
 """
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,3 +82,18 @@ def test_program_matches_one_process(launcher, program, reference, launched):
     assert diff <= TOLERANCE, f"{launcher} {program}: max abs weight difference {diff:.3g} vs one process"
     assert max_abs_diff(saved["final"], saved["initial"]) > 1e-3  # the weights moved
     PROGRAMS[program].check(saved, ref)
+
+
+def test_augmentation_resumed_at_another_world_size_continues_exactly(reference, launched, tmp_path):
+    # torchrun 2's checkpoint of program augment, mid-epoch, resumed by one plain process: each sample's crops,
+    # flips and noise continue as in one uninterrupted process, so the weights end where that process's do.
+    augment = PROGRAMS["augment"]
+    out, _ = launched("torchrun-2")
+    shutil.copy(out / f"augment-step{augment.SAVE_AT}.pt", tmp_path)
+    result = check(run([PYTHON, SCRIPT, "--output-dir", str(tmp_path), "--programs", "augment"], timeout=TIMEOUT))
+    assert "was written by 2 ranks, this job has 1" in result.stdout, result.stdout[-3000:]
+    assert f"augment: resumed at step {augment.SAVE_AT}, epoch 1, sample 24" in result.stdout, result.stdout[-3000:]
+    saved = load(tmp_path, "augment")
+    assert (saved["world_size"], saved["steps"], saved["resumed"]) == (1, 10, True)
+    diff = max_abs_diff(saved["final"], reference["augment"]["final"])
+    assert diff <= TOLERANCE, f"resumed on 1 rank from 2 ranks' checkpoint: {diff:.3g} from one process"

@@ -42,7 +42,7 @@ from ..random_state import rng_state, seed_everything, set_rng_state
 from ..runtime.timeout import check_timeout
 from .compiled import keys_as_in, uncompiled, without_compiled_keys
 from .files import BackgroundWriter, host_copy, read_file, save_all, state_mismatch, unloadable_value
-from .loaders import EvalLoader, TrainLoader, dataset_size
+from .loaders import EvalLoader, TrainLoader, dataset_size, per_rank_batch_size
 from .model_checks import check_freezing_spelled_right, check_optimizers, check_something_to_train, parameters_of
 from .process_end import current, excepthook, exit_process
 from .process_setup import keep_output_printable, set_threads, use_deterministic_kernels
@@ -453,59 +453,42 @@ class Job:
     ) -> TrainLoader:
         """This rank's shuffled shard of a map-style ``dataset``, in batches on ``job.device``.
 
-        Give the batch of one step over all ranks, ``global_batch_size`` (each rank
-        takes ``global_batch_size / world_size`` of it: a script that names its global
-        batch trains the same at any world size), or ``batch_size``, this rank's
-        (the global batch is then ``batch_size * world_size``). The same global batch
-        gives the same samples per step under any world size. ``dataloader_options``
-        go to ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
+        Give exactly one of ``global_batch_size``, the samples of one step over all
+        ranks (each rank takes ``global_batch_size / world_size``: a script that names
+        its global batch trains the same model at any world size), and ``batch_size``,
+        this rank's (the global batch is then ``batch_size * world_size``, so it grows
+        with the world size). Each sample's random transforms in ``__getitem__`` draw
+        from its own seed, from (``seed``, epoch, sample index): the same at any world
+        size and worker count. ``dataloader_options`` go to
+        ``torch.utils.data.DataLoader`` (num_workers, collate_fn, ...).
         """
-        batch_size = self._per_rank_batch(batch_size, global_batch_size)
-        # Before the loader checks its other arguments: a rank whose own check failed would leave the others waiting.
+        # Before any rank checks the arguments: a rank whose own check failed would leave the others waiting.
         with self._waiting("job.train_loader"):
             self.backend.check_same_on_every_rank(
                 "train_loader",
-                {"dataset size": dataset_size(dataset, "train_loader"), "seed": seed, "batch_size": batch_size},
+                {
+                    "dataset size": dataset_size(dataset, "train_loader"),
+                    "seed": seed,
+                    "batch_size": batch_size,
+                    "global_batch_size": global_batch_size,
+                },
                 "every rank must hold the same dataset (seed a random_split with generator=torch.Generator()."
-                "manual_seed(...)) and pass the same seed and batch_size",
+                "manual_seed(...)) and pass the same seed and batch size",
             )
-        return TrainLoader(
-            dataset,
-            batch_size,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
-            seed=seed,
-            before_fork=self._before_fork,
-            worker_wait=self._waiting_for_workers,
-            **dataloader_options,
-        )
-
-    def _per_rank_batch(self, batch_size: Optional[int], global_batch_size: Optional[int]) -> Any:
-        """This rank's batch from exactly one of ``batch_size`` and ``global_batch_size``."""
-        if (batch_size is None) == (global_batch_size is None):
-            raise UserError(
-                "train_loader: give either batch_size= (per rank) or global_batch_size= (over all ranks), "
-                f"not {'both' if batch_size is not None else 'neither'}",
-                quiet=not self.is_main,
+        try:
+            return TrainLoader(
+                dataset,
+                per_rank_batch_size(batch_size, global_batch_size, self.world_size),
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                seed=seed,
+                before_fork=self._before_fork,
+                worker_wait=self._waiting_for_workers,
+                **dataloader_options,
             )
-        if global_batch_size is None:
-            return batch_size
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise UserError(
-                f"train_loader: global_batch_size must be a whole number of at least 1 (got {global_batch_size!r})",
-                quiet=not self.is_main,
-            )
-        if global_batch_size % self.world_size:
-            lower = (global_batch_size // self.world_size) * self.world_size
-            higher = lower + self.world_size
-            raise UserError(
-                f"train_loader: a global batch of {global_batch_size} cannot be dealt evenly among "
-                f"{self.world_size} ranks; use a multiple of {self.world_size}"
-                + (f" ({lower} or {higher})" if lower else f" ({higher})"),
-                quiet=not self.is_main,
-            )
-        return global_batch_size // self.world_size
+        except UserError as error:  # every rank checked the same arguments: rank 0 alone says what is wrong
+            raise UserError(str(error), quiet=not self.is_main) from None
 
     def eval_loader(self, dataset, batch_size: int, **dataloader_options: Any) -> EvalLoader:
         """This rank's unpadded evaluation shard: sum metrics, :meth:`allreduce` the sums, divide."""

@@ -102,6 +102,32 @@ def dataset_size(dataset: Any, what: str) -> int:
         ) from None
 
 
+def per_rank_batch_size(batch_size: Optional[int], global_batch_size: Optional[int], world_size: int) -> Any:
+    """This rank's batch from exactly one of ``batch_size`` (this rank's) and ``global_batch_size`` (all ranks').
+
+    A global batch the ranks cannot share evenly is one line naming the multiples of the world size around it.
+    """
+    if (batch_size is None) == (global_batch_size is None):
+        raise UserError(
+            "train_loader: give either batch_size= (per rank) or global_batch_size= (over all ranks), "
+            f"not {'both' if batch_size is not None else 'neither'}"
+        )
+    if global_batch_size is None:
+        return batch_size  # checked by TrainLoader
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise UserError(
+            f"train_loader: global_batch_size must be a whole number of at least 1 (got {global_batch_size!r})"
+        )
+    if global_batch_size % world_size:
+        lower = global_batch_size // world_size * world_size
+        around = f"{lower} or {lower + world_size}" if lower else str(world_size)
+        raise UserError(
+            f"train_loader: a global batch of {global_batch_size} cannot be dealt evenly among {world_size} "
+            f"ranks; use a multiple of {world_size} ({around})"
+        )
+    return global_batch_size // world_size
+
+
 class TrainLoader:
     """This rank's batches of ``dataset``, reshuffled on every pass, on the job's device.
 

@@ -45,24 +45,25 @@ def mix_seed(*values: int) -> int:
     return state >> 1
 
 
-class SeededBatch(list):
-    """One rank's indices for one step, with the seed of each sample's random transforms (see :mod:`..data.seeded`).
-
-    ``seed``: the first sample's, the one seed of a dataset that loads whole batches itself.
-    """
-
-    def __init__(self, indices: List[int], seeds: List[int]) -> None:
-        super().__init__(indices)
-        self.seeds = seeds
-
-    @property
-    def seed(self) -> int:
-        return self.seeds[0]
-
-
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s random draws in ``epoch``: the same on every rank and world size."""
     return mix_seed(seed, epoch, index)
+
+
+class SeededBatch(list):
+    """One rank's indices for one step, and what seeds each sample's random transforms (see :mod:`..data.seeded`).
+
+    The seeds are made where the samples are loaded (:meth:`seed_of`), in the
+    DataLoader worker when there is one, not in the training's process.
+    """
+
+    def __init__(self, indices: List[int], seed: int, epoch: int) -> None:
+        super().__init__(indices)
+        self.seed, self.epoch = seed, epoch
+
+    def seed_of(self, index: int) -> int:
+        """The seed of sample ``index``'s draws: :func:`sample_seed` of the loader's seed and this epoch."""
+        return sample_seed(self.seed, self.epoch, index)
 
 
 def epoch_order(size: int, seed: int, epoch: int) -> List[int]:
@@ -104,5 +105,4 @@ class TrainBatches:
         g, w = self.global_batch, self.world_size
         for step in range(len(self)):
             start = self.position + step * g
-            indices = order[start + self.rank : start + g : w]
-            yield SeededBatch(indices, [sample_seed(self.seed, self.epoch, i) for i in indices])
+            yield SeededBatch(order[start + self.rank : start + g : w], self.seed, self.epoch)

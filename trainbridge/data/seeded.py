@@ -5,24 +5,33 @@ then draws from them sample after sample, so a sample's random crop depends on
 which rank and worker load it, and on what they loaded before: another world size,
 another worker count or a resumed run would augment it differently. Here the three
 generators are reseeded before every sample from the seed its
-:class:`~trainbridge.data.sampler.SeededBatch` carries for it (from the loader's
-seed, the epoch and the sample's index), in a worker or in the main process (where
-the training's own generators are put back afterwards, so dropout draws the same
-numbers whether data loads in workers or not). Reseeding costs about 8 us a sample.
+:class:`~trainbridge.data.sampler.SeededBatch` gives it (from the loader's seed,
+the epoch and the sample's index), in a worker or in the main process (where the
+training's own generators are put back afterwards, so dropout draws the same
+numbers whether data loads in workers or not).
+
+Reseeding the three costs about 8 us a sample (Python's ``random.seed`` is half of
+it), and putting the main process's generators back about 0.1 ms a batch: little
+beside reading and decoding a sample. Datasets that only read (``TensorDataset``,
+a list) are not reseeded at all.
 
 A dataset that loads whole batches itself (``__getitems__``) draws for the batch
-under one seed, its first sample's: its randomness resumes bitwise, but depends on
-how the global batch is dealt among the ranks. Random transforms belong in
-``__getitem__``.
+under one seed, its first sample's: its randomness is deterministic and resumes
+bitwise at the same world size, but depends on how the global batch is dealt
+among the ranks. Random transforms belong in ``__getitem__``.
 """
 
 from __future__ import annotations
 
 from typing import Any, List, Sized, cast
 
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
 from ..random_state import host_streams_kept, seed_host
+from .sampler import SeededBatch
+
+# Datasets whose items are read, never drawn: reseeding before each would change nothing.
+READ_ONLY = (TensorDataset, list, tuple, range)
 
 
 class SeededDataset(Dataset):
@@ -38,21 +47,25 @@ class SeededDataset(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: List[int]) -> Any:
-        seeds = getattr(indices, "seeds", None)
-        if seeds is None:
+        if not isinstance(indices, SeededBatch) or not indices:
             return self._fetch(indices)
-        if get_worker_info() is not None:  # a worker's generators serve only the data
-            return self._fetch_seeded(indices, seeds)
+        in_worker = get_worker_info() is not None
+        if type(self.dataset) in READ_ONLY:
+            if in_worker:  # a collate_fn drawing here finds the streams the last sample's seed would leave
+                seed_host(indices.seed_of(indices[-1]))
+            return self._fetch(indices)
+        if in_worker:  # a worker's generators serve only the data
+            return self._fetch_seeded(indices)
         with host_streams_kept():  # the main process's streams are the training's (dropout)
-            return self._fetch_seeded(indices, seeds)
+            return self._fetch_seeded(indices)
 
-    def _fetch_seeded(self, indices: List[int], seeds: List[int]) -> Any:
+    def _fetch_seeded(self, indices: SeededBatch) -> Any:
         if getattr(self.dataset, "__getitems__", None):  # whole batches: one seed
-            seed_host(seeds[0])
+            seed_host(indices.seed_of(indices[0]))
             return self._fetch(indices)
         samples = []
-        for index, seed in zip(indices, seeds):
-            seed_host(seed)
+        for index in indices:
+            seed_host(indices.seed_of(index))
             samples.append(self.dataset[index])
         return samples
 

@@ -3,7 +3,11 @@ and a flip (torch's generator), brightness noise (numpy) and a random erase (``r
 
 Each sample draws from its own stream (seed, epoch, sample index), so every world size crops each
 sample alike and trains the same model. The global batch is given as such (``global_batch_size``).
+
+Every run writes OUT/augment-step7.pt mid-epoch (``job.save``); a run whose OUT already holds it
+resumes from it, at whatever world size (tests/test_same_model.py resumes 2 ranks' in one process).
 """
+import os
 import random
 
 import numpy as np
@@ -15,6 +19,8 @@ from torch.utils.data import Dataset
 
 NAME = "augment"
 GLOBAL_BATCH = 12
+EPOCHS = 2
+SAVE_AT = 7  # of 10 steps: mid-epoch 1
 
 
 class AugmentedImages(Dataset):
@@ -59,16 +65,27 @@ def run(job, out_dir: str) -> None:
     model, optimizer = job.prepare(model, optimizer)
     initial = plain_state(model)
     loader = job.train_loader(dataset, global_batch_size=GLOBAL_BATCH, seed=8, num_workers=2)
+    state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+    checkpoint = os.path.join(out_dir, f"{NAME}-step{SAVE_AT}.pt")
+    resumed = os.path.exists(checkpoint)
+    if resumed:
+        job.load(checkpoint, into=state)
+        job.print(f"{NAME}: resumed at step {state['step']}, epoch {loader.epoch}, sample {loader.position}")
     pixels = torch.zeros((), dtype=torch.float64)  # every augmented pixel this rank loaded, summed
-    for _epoch in range(2):
+    while loader.epoch < EPOCHS:
         for x, y in loader:
             optimizer.zero_grad()
             job.backward(F.cross_entropy(model(x), y))
             job.step(optimizer)
             pixels += x.sum()
-    finish(job, out_dir, NAME, initial, plain_state(model), pixel_sum=job.allreduce(pixels, "sum").item())
+            state["step"] += 1
+            if state["step"] == SAVE_AT and not resumed:
+                job.save(state, checkpoint)
+    finish(job, out_dir, NAME, initial, plain_state(model), pixel_sum=job.allreduce(pixels, "sum").item(),
+           steps=state["step"], resumed=resumed)
 
 
 def check(saved, ref) -> None:
     # The augmented pixels summed over every sample of every step: the same draws at any world size.
+    assert (saved["steps"], saved["resumed"]) == (ref["steps"], False) == (10, False)
     assert abs(saved["pixel_sum"] - ref["pixel_sum"]) < 1e-9, (saved["pixel_sum"], ref["pixel_sum"])

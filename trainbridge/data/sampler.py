@@ -23,7 +23,7 @@ where a checkpoint stopped:
 * same world size and batch: each rank continues with exactly the samples it
   would have had (bitwise resume);
 * another world size, same global batch: the same steps follow, dealt among the
-  new ranks.
+  new ranks, each sample with the random draws it would have had.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def steps_in_pass(size: int, global_batch: int, position: int = 0) -> int:
 class TrainBatches:
     """A batch sampler: this rank's indices for each step of one pass, from ``position`` on.
 
-    Set the pass with :meth:`set_pass` before iterating. Each batch carries a seed
-    per sample, from (seed, epoch, sample index), so random augmentation depends
-    neither on the world size nor on which worker process, or which run, loads it.
+    Set the pass with :meth:`set_pass` before iterating. Each batch gives each of
+    its samples a seed from (seed, epoch, sample index), so random augmentation
+    depends neither on the world size nor on which worker process, or which run,
+    loads it.
     """
 
     def __init__(self, size: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:

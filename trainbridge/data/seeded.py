@@ -10,10 +10,11 @@ the epoch and the sample's index), in a worker or in the main process (where the
 training's own generators are put back afterwards, so dropout draws the same
 numbers whether data loads in workers or not).
 
-Reseeding the three costs about 8 us a sample (Python's ``random.seed`` is half of
-it), and putting the main process's generators back about 0.1 ms a batch: little
-beside reading and decoding a sample. Datasets that only read (``TensorDataset``,
-a list) are not reseeded at all.
+Reseeding costs about 10 us a sample on one CPU core (8 us to seed the three
+generators, Python's ``random.seed`` half of it), and putting the main process's
+generators back about 0.1 ms a batch: little beside reading and decoding an image,
+and spread over the workers when there are some. Datasets that only read
+(``TensorDataset``, a list) are not reseeded at all.
 
 A dataset that loads whole batches itself (``__getitems__``) draws for the batch
 under one seed, its first sample's: its randomness is deterministic and resumes

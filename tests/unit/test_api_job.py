@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from one_rank_job import one_rank_job
 from python_child import run_python
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 import trainbridge as tb
@@ -87,6 +88,48 @@ def test_a_model_is_prepared_once(job):
         job.prepare(model)
     with pytest.raises(UserError, match="this model was already prepared"):
         job.prepare(job.unwrap(model))
+
+
+# ----- torch.compile before or after prepare (backend="eager": dynamo and its wrapper, no code generation) --------
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_model_compiled_before_or_after_prepare_is_seen_through(job, tmp_path, when):
+    torch.manual_seed(2)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model, _ = job.prepare(torch.compile(module, backend="eager") if when == "before" else module)
+    if when == "after":
+        model = torch.compile(model, backend="eager")
+    assert job.unwrap(model) is module
+    with pytest.raises(UserError, match="this model was already prepared"):
+        job.prepare(model)
+    with pytest.raises(UserError, match="this model was already prepared"):
+        job.prepare(torch.compile(module, backend="eager"))
+    wrapper = model if when == "before" else model._orig_mod  # the DDP wrapper: no_sync switches it off
+    assert isinstance(wrapper, DistributedDataParallel)
+    with job.no_sync(model):
+        assert wrapper.require_backward_grad_sync is False
+        job.backward(model(torch.randn(2, 3)).sum())
+    assert wrapper.require_backward_grad_sync is True
+
+    job.save({"model": model}, str(tmp_path / "ckpt.pt"))
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert list(saved) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the uncompiled module's keys
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    fresh.load_state_dict(saved)  # strict: exactly these keys
+    assert torch.equal(fresh[0].weight, module[0].weight)
+    with torch.no_grad():
+        module[0].weight.zero_()
+    job.load(str(tmp_path / "ckpt.pt"), into={"model": model})
+    assert torch.equal(module[0].weight, fresh[0].weight)
+
+
+def test_a_checkpoint_with_compiled_keys_loads_into_an_uncompiled_model(job, tmp_path):
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    compiled = torch.compile(copy.deepcopy(module), backend="eager")
+    torch.nn.init.ones_(compiled._orig_mod[0].weight)
+    torch.save({"model": compiled.state_dict()}, tmp_path / "compiled.pt")  # "_orig_mod.0.weight", ...
+    model, _ = job.prepare(module)
+    job.load(str(tmp_path / "compiled.pt"), into={"model": model})
+    assert torch.equal(module[0].weight, torch.ones(2, 2))
 
 
 def test_an_unknown_amp_is_one_line(job):

@@ -6,11 +6,14 @@ their documented shapes and copies, and a failure is worded. Averaging over seve
 is the launches' (tests/test_parity.py, tests/test_real_programs.py).
 """
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from one_rank_job import one_rank_env
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel
 
 from trainbridge.backends.base import GradientExchange
 from trainbridge.backends.torch_ddp import PreparedDDP, TorchBackend
@@ -75,6 +78,36 @@ def test_the_wrapped_model_still_looks_like_the_users_module(backend):
     assert backend.unwrap(model) is module and backend.unwrap(module) is module
     assert backend.shm_exchange is None  # one process: nothing to average in shared memory
     assert not hasattr(model, "not_there")  # and a name neither has is still an AttributeError
+
+
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, lambda m: AveragedModel(m).module])
+def test_a_copy_of_the_wrapped_model_is_a_copy_of_the_users_module(backend, make_copy):
+    module = Tagged()
+    model = backend.wrap(module)
+    copied = make_copy(model)  # DDP itself cannot be copied: its process group holds a lock
+    assert type(copied) is Tagged and copied.tag == "mine"
+    assert all(torch.equal(p, q) and p is not q for p, q in zip(copied.parameters(), module.parameters()))
+
+
+def test_compiled_after_wrapping_it_breaks_the_graph_only_where_torch_breaks_a_plain_ddp(backend):
+    """torch.compile(DDP(m)) breaks the graph in DDP's own forward; the wrapper adds no break of its own."""
+    import torch._dynamo
+
+    breaks = {}
+    for kind in ("plain", "prepared"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        module = Tagged()
+        ddp = DistributedDataParallel(module) if kind == "plain" else backend.wrap(module)
+        compiled = torch.compile(ddp, backend="eager")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            compiled(torch.randn(4, 3)).sum().backward()
+        breaks[kind] = dict(torch._dynamo.utils.counters["graph_break"])
+        assert not [w for w in seen if "monotonic" in str(w.message)]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the module inside was compiled
+    assert breaks["prepared"] == breaks["plain"]
+    torch._dynamo.reset()
 
 
 def test_gradients_after_backward_and_step_are_those_of_the_plain_model(backend):

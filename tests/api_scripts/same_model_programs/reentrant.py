@@ -4,8 +4,9 @@ A reentrant checkpoint runs the backward pass of its segment as a backward pass 
 inside the node of the enclosing one: the gradients of the segment's layers come from that
 inner pass, those of the layers before it from the outer pass afterwards. The model's gradients
 must be averaged once all of them are there. One model checkpoints its last two layers (SGD
-with momentum), another also a middle block (AdamW); each segment's forward runs twice a step
-(counted), the second time to recompute its activations for the backward pass.
+with momentum; its middle block non-reentrant), another also its middle block (AdamW); the last
+two layers' forward runs twice a step (counted), the second time to recompute their activations
+for the backward pass.
 """
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,9 @@ EPOCHS = 2
 
 
 class Net(nn.Module):
-    def __init__(self, checkpoint_middle: bool) -> None:
+    def __init__(self, middle_reentrant: bool) -> None:
         super().__init__()
-        self.checkpoint_middle = checkpoint_middle
+        self.middle_reentrant = middle_reentrant
         self.inp = nn.Linear(6, 16)
         self.middle = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
         self.hidden, self.out = nn.Linear(16, 16), nn.Linear(16, 2)
@@ -34,7 +35,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        h = checkpoint(self.middle, h, use_reentrant=True) if self.checkpoint_middle else self.middle(h)
+        h = checkpoint(self.middle, h, use_reentrant=self.middle_reentrant)
         return checkpoint(self.last_two, h, use_reentrant=True)
 
 
@@ -44,9 +45,9 @@ def run(job, out_dir: str) -> None:
     y = (x[:, 0] * x[:, 5] + x[:, 2] > 0).long()
     job.set_seed(900)
     models, optimizers = {}, {}
-    for name, checkpoint_middle in (("last", False), ("both", True)):
-        module = Net(checkpoint_middle)
-        if checkpoint_middle:
+    for name, middle_reentrant in (("last", False), ("both", True)):
+        module = Net(middle_reentrant)
+        if middle_reentrant:
             optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
         else:
             optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)

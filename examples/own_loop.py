@@ -58,7 +58,8 @@ def main(args) -> None:
     torch.manual_seed(0)  # the same initial weights on every rank (prepare also broadcasts rank 0's)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    model, optimizer = job.prepare(model, optimizer, amp=args.amp)
+    # --shard: each rank keeps 1/N of the weights, gradients and optimizer state (FSDP2, torch backend).
+    model, optimizer = job.prepare(model, optimizer, amp=args.amp, shard=args.shard)
     loader = job.train_loader(train_set, global_batch_size=args.global_batch, seed=0, num_workers=args.workers)
     total_steps = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
@@ -91,7 +92,9 @@ def main(args) -> None:
         job.save(state, last, background=True)
         job.print(f"epoch {epoch + 1} step {state['step']}: val_loss {val_loss:.4f} val_accuracy {val_accuracy:.4f}")
 
-    job.save({"model": model, "step": state["step"], "world_size": job.world_size}, os.path.join(args.output_dir, "final.pt"))
+    # job.state_dict: the whole model (a sharded one gathered), so final.pt is one plain file.
+    job.save({"model": job.state_dict(model), "step": state["step"], "world_size": job.world_size},
+             os.path.join(args.output_dir, "final.pt"))
     job.print(f"done: wrote {args.output_dir}/final.pt")
     job.exit(0)
 
@@ -108,6 +111,7 @@ def parse_args(argv=None):
                    help="train in float64: world sizes then agree to rounding (float32 differs by ~1e-5 after "
                         "75 steps, from the order in which ranks sum gradients)")
     p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"])
+    p.add_argument("--shard", action="store_true", help="shard the model over the ranks (torch backend)")
     p.add_argument("--backend", default="auto", help="auto, torch, horovod or local")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--nproc", type=int, default=1, help="without a launcher: start N local workers")

@@ -97,3 +97,20 @@ def test_augmentation_resumed_at_another_world_size_continues_exactly(reference,
     assert (saved["world_size"], saved["steps"], saved["resumed"]) == (1, 10, True)
     diff = max_abs_diff(saved["final"], reference["augment"]["final"])
     assert diff <= TOLERANCE, f"resumed on 1 rank from 2 ranks' checkpoint: {diff:.3g} from one process"
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun-3"])
+def test_sharded_checkpoint_resumed_at_another_world_size_continues_exactly(launcher, reference, launched, tmp_path):
+    # torchrun 2's sharded checkpoint of program sharded (a folder of both ranks' shards), resumed by one plain
+    # process and by 3 ranks (each reads the parts of the saved shards its own shards cover).
+    sharded = PROGRAMS["sharded"]
+    out, _ = launched("torchrun-2")
+    shutil.copytree(out / f"sharded-step{sharded.SAVE_AT}", tmp_path / f"sharded-step{sharded.SAVE_AT}")
+    args = ["--output-dir", str(tmp_path), "--programs", "sharded"]
+    command = [PYTHON, SCRIPT, *args] if launcher == "python" else LAUNCHERS[launcher][0](args)
+    result = check(run(command, timeout=TIMEOUT))
+    assert f"sharded: resumed at step {sharded.SAVE_AT}, epoch 1, sample 12" in result.stdout, result.stdout[-3000:]
+    saved = load(tmp_path, "sharded")
+    assert (saved["world_size"], saved["steps"], saved["resumed"]) == ({"python": 1}.get(launcher, 3), 6, True)
+    diff = max_abs_diff(saved["final"], reference["sharded"]["final"])
+    assert diff <= TOLERANCE, f"resumed on {launcher} from 2 ranks' sharded checkpoint: {diff:.3g} from one process"

@@ -26,7 +26,9 @@ unheld_step = job_module.Job.step
 
 def held_step(self, optimizer):
     unheld_step(self, optimizer)
-    if self._steps == HOLD_STEP and self.rank in HOLD_RANKS:
+    # Held in the first attempt only: one that torchrun restarted (--max-restarts) trains through.
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if self._steps == HOLD_STEP and self.rank in HOLD_RANKS and first_attempt:
         print(f"rank {self.rank} holds after step {HOLD_STEP} until SIGTERM", flush=True)
         deadline = time.monotonic() + 60
         while not self._stop.received and time.monotonic() < deadline:

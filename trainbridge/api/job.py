@@ -32,6 +32,15 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optio
 import torch
 
 from ..backends import Backend, GradientExchange, create_backend
+from ..backends.fsdp import (
+    gather_for_evaluation,
+    is_sharded,
+    load_whole_state,
+    shard_again,
+    shard_blocks,
+    whole,
+    whole_state_dict,
+)
 from ..backends.sync_batchnorm import synchronize_batchnorm
 from ..errors import UserError
 from ..launch import detect_launch, report_error
@@ -47,6 +56,15 @@ from .model_checks import check_freezing_spelled_right, check_optimizers, check_
 from .process_end import current, excepthook, exit_process
 from .process_setup import keep_output_printable, set_threads, use_deterministic_kernels
 from .same_model import CHECK_EVERY, SameModelCheck
+from .sharded_checkpoint import (
+    SHARDED,
+    Part,
+    holds_dtensors,
+    is_sharded_checkpoint,
+    load_sharded,
+    read_rest,
+    save_sharded,
+)
 from .signature import same_on_every_rank
 from .stop import FOR_WORKERS, StopSignal, Watchdog
 from .trainable import TrainableSincePrepare, average_gradients
@@ -135,6 +153,7 @@ class Job:
         self._steps = 0  # job.step calls in this process, for the watchdog's line
         self._same_model = SameModelCheck(backend, check_every)
         self._trainable: List[TrainableSincePrepare] = []  # per prepared model, what prepare averaged
+        self._sharded: List[torch.nn.Module] = []  # the user's modules prepared with shard
         self._accumulating: List[torch.nn.Module] = []  # models inside job.no_sync now
         self._seed_per_rank_at_prepare: Optional[int] = None  # set_seed's seed, until the next prepare
         self._ended = False  # shutdown() has left the job
@@ -202,6 +221,8 @@ class Job:
         shm_allreduce: str = "auto",
         find_unused_parameters: bool = False,
         sync_batchnorm: bool = False,
+        shard: Any = False,
+        cpu_offload: bool = False,
     ):
         """``(model, optimizer)`` on this rank's device, its gradients averaged over the ranks; ``(model, None)``
         without an optimizer, ``(model, opt1, opt2, ...)`` with several.
@@ -233,6 +254,13 @@ class Job:
         each rank's own share of the batch (the model depends on the world size) and each
         rank keeps its own running statistics (rank 0's are saved). A ``SyncBatchNorm``
         already in the model (torch's, Horovod's) is synchronized on every backend either way.
+
+        ``shard=True``: each rank keeps 1/N of the parameters, gradients and optimizer state
+        (FSDP2, torch backend only), gathering one block at a time for the forward and backward
+        passes: the model's repeated blocks (a transformer's layers, a ResNet's blocks), or the
+        module classes given as ``shard=[MyBlock]``. The loop stays the same; :meth:`save` then
+        writes a folder of shards that loads at any world size (see :meth:`export` for one
+        file). ``cpu_offload`` (with ``shard``): the shards live in host memory between uses.
         """
         exchange = GradientExchange(
             compression=compression,
@@ -250,8 +278,12 @@ class Job:
         check_something_to_train(uncompiled(model), quiet=not self.is_main)  # the same model on every rank
         given = check_optimizers(uncompiled(model), optimizers, [o for _, held in self._prepared for o in held])
         with self._waiting("job.prepare"):
-            model = self._prepare(model, optimizers, amp, exchange, sync_batchnorm)
-        self._trainable.append(TrainableSincePrepare(self.unwrap(model), find_unused_parameters))
+            model = self._prepare(model, optimizers, amp, exchange, sync_batchnorm, shard, cpu_offload)
+        # A sharded model's gradients are all averaged by FSDP, whichever require them now: none are left out.
+        sharded = shard_blocks(shard) is not None
+        self._trainable.append(TrainableSincePrepare(self.unwrap(model), find_unused_parameters or sharded))
+        if sharded:
+            self._sharded.append(self.unwrap(model))
         if self._seed_per_rank_at_prepare is not None:  # see set_seed
             seed_everything(self._seed_per_rank_at_prepare + self.rank)
             self._seed_per_rank_at_prepare = None
@@ -265,6 +297,8 @@ class Job:
         amp: str,
         exchange: GradientExchange,
         sync_batchnorm: bool = False,
+        shard: Any = False,
+        cpu_offload: bool = False,
     ):
         self.backend.check_same_on_every_rank(
             "the model's parameters",
@@ -291,9 +325,11 @@ class Job:
                 "shm_allreduce": exchange.shm_allreduce,
                 "find_unused_parameters": exchange.find_unused_parameters,
                 "sync_batchnorm": sync_batchnorm,
+                "shard": repr(shard),
+                "cpu_offload": cpu_offload,
             },
-            "pass the same amp, compression, shm_allreduce, find_unused_parameters and sync_batchnorm to "
-            "job.prepare on every rank",
+            "pass the same amp, compression, shm_allreduce, find_unused_parameters, sync_batchnorm, shard and "
+            "cpu_offload to job.prepare on every rank",
         )
         if amp not in ("off", *AMP_DTYPES):
             raise UserError(f"amp {amp!r} is not supported; use off, bf16 or fp16")
@@ -311,7 +347,18 @@ class Job:
         # Before the backend wraps the model (DDP registers the modules it is given): BatchNorm layers that
         # sum their statistics over the ranks, all of them with sync_batchnorm, else those meant to.
         model = synchronize_batchnorm(model, self.backend.sum_over_ranks, every_batchnorm=sync_batchnorm)
-        return self.backend.wrap(model.to(self.device), [o for o in optimizers if o is not None], exchange)
+        given = [o for o in optimizers if o is not None]
+        blocks = shard_blocks(shard)
+        if blocks is None:
+            if cpu_offload:
+                raise UserError("job.prepare: cpu_offload=True offloads shards; pass it with shard=True")
+            return self.backend.wrap(model.to(self.device), given, exchange)
+        if amp == "fp16":
+            raise UserError(
+                "job.prepare: amp='fp16' with shard is not supported (its loss scaling needs whole gradients); "
+                "use amp='bf16', which needs no loss scaling"
+            )
+        return self.backend.shard(model.to(self.device), given, blocks, exchange, AMP_DTYPES.get(amp), cpu_offload)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module, without the DDP wrapper and ``torch.compile``'s, before or after :meth:`prepare`.
@@ -363,7 +410,7 @@ class Job:
             unfrozen = [
                 p
                 for trainable in self._trainable
-                if not any(trainable.model is m for m in self._accumulating)
+                if not any(trainable.model is m for m in [*self._accumulating, *self._sharded])
                 for p in trainable.unfrozen_since()
             ]
             if unfrozen:
@@ -394,7 +441,8 @@ class Job:
             for optimizer in holding.values():
                 if any(id(p) in ids for p in parameters_of(optimizer)):
                     self.scaler.unscale_(optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # Over a sharded model's gradients torch gives the norm as a DTensor: the full value is the global norm.
+        return whole(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` (with fp16 amp: unscaled, skipped on inf/NaN)."""
@@ -506,11 +554,17 @@ class Job:
             device=self.device,
             before_fork=self._before_fork,
             worker_wait=self._waiting_for_workers,
-            before_pass=lambda: self._check_same_model(
-                f"at an evaluation, step {self._steps}", call="the eval_loader's pass"
-            ),
+            before_pass=self._before_evaluation,
             **dataloader_options,
         )
+
+    def _before_evaluation(self) -> None:
+        """At the start of an exact evaluation pass (collective): the same-model check, and the sharded
+        models gathered whole on every rank, whose uneven shares of the set run uneven forward passes."""
+        self._check_same_model(f"at an evaluation, step {self._steps}", call="the eval_loader's pass")
+        with self._waiting("the eval_loader's pass (gathering the sharded models)"):
+            for model in self._sharded:
+                gather_for_evaluation(model)
 
     def _waiting_for_workers(self, what: str):
         # A worker stuck in a read, or in a lock it inherited at fork, would hold this rank for ever.
@@ -663,7 +717,15 @@ class Job:
             )
         # Before anything is written; a wait here is the save's (a rank-0-only save reads as such).
         self._check_same_model(f"at job.save({path!r}), step {self._steps}", call=f"job.save({path!r})", saved=obj)
-        state = {key: self._state_of(value) for key, value in obj.items()}
+        parts = self._sharded_parts(obj)  # a sharded model and its optimizers: each rank writes its shards
+        state = {key: self._state_of(value) for key, value in obj.items() if key not in parts}
+        if holds_dtensors(state):
+            raise UserError(
+                f"job.save: {next(k for k in state if holds_dtensors(state[k]))!r} holds sharded tensors (DTensor), of "
+                f"which this rank has only its own part; save the model itself ({{'model': model}}) and its "
+                f"optimizer, which job.save writes as a folder of every rank's shards",
+                quiet=not self.is_main,
+            )
         problem = unloadable_value(state)
         if problem is not None:
             raise UserError(
@@ -677,6 +739,21 @@ class Job:
         with self._waiting(f"job.save({path!r})"):
             rngs = self.backend.allgather_object(rng_state())  # collective: before the main-rank-only write
         state[RNG_KEY] = {"world_size": self.world_size, **{kind: [r[kind] for r in rngs] for kind in rngs[0]}}
+        if parts:  # written before the call returns (background or not), each rank its own shards
+            if self.is_main:
+                self._writer.wait()  # writes land in order
+            with self._waiting(f"job.save({path!r})"):
+                save_sharded(
+                    parts,
+                    host_copy(state, copy=False),
+                    path,
+                    self.is_main,
+                    self.backend.broadcast_object,
+                    self.backend.barrier,
+                    keep_previous=keep_previous,
+                    copies=copies,
+                )
+            return
         paths = [path, *copies]
         if self.is_main and background:
             self._writer.submit(state, paths, keep_previous=keep_previous)
@@ -697,6 +774,62 @@ class Job:
         with self._waiting("job.wait_for_saves"):
             self.backend.barrier()
 
+    def _sharded_parts(self, obj: Mapping[str, Any]) -> Dict[str, Part]:
+        """The entries of ``obj`` that a sharded save writes as shards: sharded models, and their optimizers."""
+        models = {
+            key: self.unwrap(value)
+            for key, value in obj.items()
+            if isinstance(value, torch.nn.Module)
+            and (any(self.unwrap(value) is m for m in self._sharded) or is_sharded(self.unwrap(value)))
+        }
+        for model in models.values():
+            shard_again(model)  # an evaluation may have left it gathered
+        parts: Dict[str, Part] = {key: (model, None) for key, model in models.items()}
+        for key, value in obj.items():
+            if not isinstance(value, torch.optim.Optimizer):
+                continue
+            stepped = {id(p) for p in parameters_of(value)}
+            owner = next((m for m in models.values() if stepped <= {id(p) for p in m.parameters()}), None)
+            if owner is None and holds_dtensors(parameters_of(value)):
+                raise UserError(
+                    f"job.save: the optimizer {key!r} steps a sharded model that is not in the state; save the model "
+                    f"with it (job.save({{'model': model, {key!r}: ...}}, path))",
+                    quiet=not self.is_main,
+                )
+            if owner is not None:
+                parts[key] = (owner, value)
+        return parts
+
+    def state_dict(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+        """The whole ``model.state_dict()``, with the user's keys, on every rank.
+
+        A sharded model's parameters are gathered from every rank (collective: every rank
+        calls it, and each then holds the whole model); any other model's state_dict as it is.
+        """
+        module = self.unwrap(model)
+        shard_again(module)  # an evaluation may have left it gathered
+        if not is_sharded(module):
+            return dict(without_compiled_keys(module.state_dict()))
+        with self._waiting("job.state_dict (gathering the shards)"):
+            return whole_state_dict(module)
+
+    def export(self, model: torch.nn.Module, path: str) -> None:
+        """Write the whole model's ``state_dict`` to ``path`` as one plain file, for inference:
+        ``model.load_state_dict(torch.load(path))`` into the unsharded model. Every rank calls it;
+        a sharded model is gathered on the main rank alone, which writes the file atomically.
+
+        A sharded checkpoint already on disk exports without a job: ``trainbridge export CHECKPOINT OUTPUT``.
+        """
+        self._check_in_job(f"job.export({path!r})")
+        module = self.unwrap(model)
+        shard_again(module)  # an evaluation may have left it gathered
+        with self._waiting(f"job.export({path!r})"):
+            state = whole_state_dict(module, main_rank_only=True) if is_sharded(module) else module.state_dict()
+            if self.is_main:
+                self._writer.wait()
+                save_all(host_copy(dict(without_compiled_keys(state))), [path])
+            self.backend.barrier()  # the file is complete before any rank may read it
+
     def _state_of(self, value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
             return without_compiled_keys(self.unwrap(value).state_dict())
@@ -705,11 +838,51 @@ class Job:
     def load(self, path: str, into: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Read ``path`` on every rank (``torch.load(weights_only=True)``); with ``into``, :meth:`restore` it.
 
-        Without ``into``: the saved dict.
+        Without ``into``: the saved dict. A folder written by a sharded :meth:`save` loads
+        only ``into`` a state (each rank reads the parts its own shards cover, at any world
+        size, sharded or not).
         """
         self.wait_for_saves()  # a background write of this file may be in flight
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path, into)
         state = read_file(path, self.device)
         return state if into is None else self.restore(state, into, path)
+
+    def _load_sharded(self, path: str, into: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        if into is None:
+            raise UserError(
+                f"job.load({path!r}): a sharded checkpoint (a folder of every rank's shards) loads into the state it "
+                f"was saved from: job.load(path, into={{'model': model, ...}}); for one plain file of the model, "
+                f"run trainbridge export {path} model.pt",
+                quiet=not self.is_main,
+            )
+        rest = read_rest(path, self.device)
+        kinds = rest.get(SHARDED, {})
+        models = {
+            key: self.unwrap(value)
+            for key, value in into.items()
+            if isinstance(value, torch.nn.Module) and kinds.get(key) == "model"
+        }
+        for model in models.values():
+            shard_again(model)  # an evaluation may have left it gathered
+        parts: Dict[str, Part] = {key: (model, None) for key, model in models.items()}
+        for key, value in into.items():
+            if isinstance(value, torch.optim.Optimizer) and key in kinds and kinds[key] != "model":
+                stepped = {id(p) for p in parameters_of(value)}
+                owner = next((m for m in models.values() if stepped <= {id(p) for p in m.parameters()}), None)
+                if owner is None:
+                    raise UserError(
+                        f"job.load({path!r}): the optimizer {key!r} is loaded with the model it steps; put that model "
+                        f"in into= too, under the key it was saved with",
+                        quiet=not self.is_main,
+                    )
+                parts[key] = (owner, value)
+        with self._waiting(f"job.load({path!r})"):
+            load_sharded(path, rest, parts, self.is_main)
+        remaining = {key: value for key, value in into.items() if key not in parts}
+        self.restore(rest, remaining, path)  # plain values, loaders, schedulers, random streams
+        into.update(remaining)
+        return into
 
     def restore(self, saved: Mapping[str, Any], into: Dict[str, Any], source: str = "the checkpoint") -> Dict[str, Any]:
         """Put what :meth:`save` wrote (``saved``, already read) back into ``into``, the dict given to :meth:`save`.
@@ -733,7 +906,7 @@ class Job:
                         f"it was saved from",
                         quiet=not self.is_main,
                     )
-                self.unwrap(value).load_state_dict(state)
+                load_whole_state(self.unwrap(value), state)  # a sharded model takes its own shards of it
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(saved[key])
             else:

@@ -16,7 +16,10 @@ it costs one pass over the weights plus one small allreduce. A difference is one
 the first tensor that differs, the ranks and the step.
 
 Per-rank buffers (plain BatchNorm's running statistics, which every rank updates
-from its own batches, see ``job.sync_buffers``) are not compared.
+from its own batches, see ``job.sync_buffers``) are not compared. Nor are the shards of
+a sharded model's parameters (``prepare(shard=True)``): each element lives on one rank
+only, so there is no second copy to differ; its buffers, which every rank holds whole,
+are compared as any model's are.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..backends import Backend
+from ..backends.fsdp import replicated_part
 from ..errors import UserError
 
 CHECK_EVERY = 100  # job.step calls between two checks (tb.init(check_every=...)); 0: never between saves
@@ -46,7 +50,9 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 def kept_identical(module: torch.nn.Module) -> Iterable[Tuple[str, torch.Tensor]]:
     """(name, tensor) of what every rank must hold bitwise alike: parameters and synchronized buffers."""
     for name, param in module.named_parameters():
-        yield name, param
+        held_alike = replicated_part(param)  # None for a parameter sharded over the ranks
+        if held_alike is not None:
+            yield name, held_alike
     for owner_name, owner in module.named_modules():
         if isinstance(owner, _BatchNorm) and not getattr(owner, "synchronized", False):
             continue  # plain BatchNorm: statistics of this rank's batches

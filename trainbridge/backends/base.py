@@ -153,6 +153,26 @@ class Backend(abc.ABC):
         gradient (:func:`sparse_gradient_parameters`) is averaged as a sparse tensor, so it stays sparse.
         """
 
+    def shard(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        blocks: Tuple[type, ...],
+        exchange: GradientExchange,
+        amp_dtype: "torch.dtype | None",
+        cpu_offload: bool,
+    ) -> torch.nn.Module:
+        """Like :meth:`wrap`, but each rank keeps 1/N of the parameters, gradients and optimizer state
+        (:mod:`trainbridge.backends.fsdp`): ``blocks`` are the module classes sharded as units (() for the
+        model's repeated blocks), ``amp_dtype`` the dtype of the forward and backward passes (None: the
+        parameters'), ``cpu_offload`` keeps the shards in host memory between uses."""
+        raise UserError(
+            f"job.prepare(shard=...): sharded models need the torch backend (FSDP2), not {self.name}; launch with "
+            f"torchrun, or pass backend='torch' to tb.init (trainbridge train --backend torch) under horovodrun or "
+            f"mpirun",
+            quiet=not self.is_main,
+        )
+
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         """A backward pass inside this block only accumulates gradients locally (no allreduce)."""
         return contextlib.nullcontext()

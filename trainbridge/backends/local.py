@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
@@ -34,6 +34,18 @@ class LocalBackend(Backend):
         exchange: GradientExchange = GradientExchange(),
     ) -> torch.nn.Module:
         # One process: no gradients travel, so there is nothing to compress or defer (sparse ones stay as they are).
+        return model
+
+    def shard(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        blocks: Tuple[type, ...],
+        exchange: GradientExchange,
+        amp_dtype: "torch.dtype | None",
+        cpu_offload: bool,
+    ) -> torch.nn.Module:
+        # One process holds every shard: the model stays as it is (its checkpoints are still sharded ones).
         return model
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-from typing import Any, Callable, ContextManager, Dict, List, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, first_line
@@ -257,7 +258,42 @@ class TorchBackend(Backend):
             self.print(f"[trainbridge] gradients are averaged by gloo, not in shared memory: {why}")
         return shm
 
+    def shard(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        blocks: Tuple[type, ...],
+        exchange: GradientExchange,
+        amp_dtype: "torch.dtype | None",
+        cpu_offload: bool,
+    ) -> torch.nn.Module:
+        from . import fsdp
+
+        if sparse_gradient_parameters(model):
+            raise UserError(
+                "job.prepare(shard=...): the model has sparse gradients (nn.Embedding or nn.EmbeddingBag with "
+                "sparse=True), which sharded parameters cannot take; use sparse=False, or prepare without shard",
+                quiet=not self.is_main,
+            )
+        # As DDP does at construction: every rank starts from rank 0's parameters and buffers.
+        world = dist.group.WORLD
+        assert world is not None  # init() joined it
+        _sync_module_states(model, world, 250 * 1024 * 1024, 0, set())
+        dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        compressed = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(exchange.compression)
+        # Gradients are averaged in the parameters' dtype (as DDP averages them under autocast), or compressed.
+        reduce_dtype = compressed or (dtypes[0] if amp_dtype is not None and dtypes else None)
+        sharded = fsdp.shard_model(
+            model, optimizers, blocks, self.device, self.world_size, amp_dtype, reduce_dtype, cpu_offload
+        )
+        fsdp.shard_again_when_training(sharded)
+        return sharded
+
     def no_sync(self, model: torch.nn.Module):
+        from .fsdp import gradient_sync_off, is_sharded
+
+        if is_sharded(model) and hasattr(model, "set_requires_gradient_sync"):
+            return gradient_sync_off(model)
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

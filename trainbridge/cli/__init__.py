@@ -1,4 +1,4 @@
-"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data`` and ``build-horovod``.
+"""The ``trainbridge`` console script: ``train``, ``doctor``, ``data``, ``export`` and ``build-horovod``.
 
 The peer bench is not a command of the installed package: it runs from a source checkout
 (``python -m benchmarks``), beside the baselines it compares with."""
@@ -15,6 +15,7 @@ commands:
   train    train a model (same options as python -m trainbridge.train; --help for them)
   doctor   versions, collective libraries, the detected launcher; --hosts A,B checks a multi-node set-up
   data     make-sample designsafe --out DIR: write a small synthetic DesignSafe-style image folder
+  export   CHECKPOINT OUTPUT: a sharded checkpoint's model as one plain state_dict file
   build-horovod  build Horovod against this torch and install it (Horovod 0.28.1 needs a fix to build)
 """
 
@@ -43,12 +44,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .data import main as data_main
 
         return data_main(rest)
+    if command == "export":
+        from .export import main as export_main
+
+        return export_main(rest)
     if command == "build-horovod":
         from .build_horovod import main as build_horovod_main
 
         return build_horovod_main(rest)
     print(
-        f"trainbridge: error: unknown command {command!r}; use train, doctor, data or build-horovod",
+        f"trainbridge: error: unknown command {command!r}; use train, doctor, data, export or build-horovod",
         file=sys.stderr,
     )
     return 2

@@ -392,6 +392,30 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
 
 
+# ----- a script started once per launcher and compared with one plain python process ------------------------
+def one_process_reference(out: Path, script: str, programs, timeout: float) -> dict:
+    """``script --output-dir out`` in one plain python process (the local backend): {program: its saved dict}."""
+    result = check(run([PYTHON, script, "--output-dir", str(out)], timeout=timeout))
+    saved = {program: torch.load(out / f"{program}.pt", weights_only=True) for program in programs}
+    for program, final in saved.items():
+        assert (final["world_size"], final["backend"]) == (1, "local"), program
+    return {"out": out, "stdout": result.stdout, **saved}
+
+
+def launch_once(tmp_path_factory, prefix: str, commands: Dict[str, Callable[[List[str]], List[str]]],
+                timeout: float) -> Callable[[str], Tuple[Path, subprocess.CompletedProcess]]:
+    """``launch(name)``: (output dir, checked result) of ``commands[name](["--output-dir", dir])``, run once."""
+    done: dict = {}
+
+    def launch(name: str) -> Tuple[Path, subprocess.CompletedProcess]:
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"{prefix}_{name}")
+            done[name] = out, run(commands[name](["--output-dir", str(out)]), timeout=timeout)
+        out, result = done[name]
+        return out, check(result)
+    return launch
+
+
 # ----- runs that tests in several modules check, each started once per session -----------------------------
 def once_per_session(tmp_path_factory, worker_id: str, name: str, cmd: Callable[[Path], List[str]]
                      ) -> Tuple[Path, subprocess.CompletedProcess]:

@@ -15,7 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HOROVODRUN, MPIRUN, MPIRUN_FLAGS, PYTHON, TORCHRUN, check, max_abs_diff, run
+from conftest import (
+    HOROVODRUN,
+    MPIRUN,
+    MPIRUN_FLAGS,
+    PYTHON,
+    TORCHRUN,
+    check,
+    launch_once,
+    max_abs_diff,
+    one_process_reference,
+    run,
+)
 
 SCRIPT = str(Path(__file__).resolve().parent / "api_scripts" / "real_programs.py")
 PROGRAMS = ("lm", "gan", "hf", "branch")
@@ -45,26 +56,14 @@ def load(out: Path, program: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One plain python process (the local backend) with the whole global batch."""
-    out = tmp_path_factory.mktemp("real_programs_local")
-    result = check(run([PYTHON, SCRIPT, "--output-dir", str(out)], timeout=TIMEOUT))
-    saved = {program: load(out, program) for program in PROGRAMS}
-    for program, final in saved.items():
-        assert (final["world_size"], final["backend"]) == (1, "local"), program
-    return {"out": out, "stdout": result.stdout, **saved}
+    return one_process_reference(tmp_path_factory.mktemp("real_programs_local"), SCRIPT, PROGRAMS, TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """``launched(name)``: (output dir, result) of the script under that launcher, started once per module."""
-    done = {}
-
-    def launch(name):
-        if name not in done:
-            out = tmp_path_factory.mktemp(f"real_programs_{name}")
-            done[name] = out, run(LAUNCHERS[name][0](["--output-dir", str(out)]), timeout=TIMEOUT)
-        out, result = done[name]
-        return out, check(result)
-    return launch
+    commands = {name: command for name, (command, _, _) in LAUNCHERS.items()}
+    return launch_once(tmp_path_factory, "real_programs", commands, TIMEOUT)
 
 
 # ----- per program: the same weights as one process, on every rank ---------------------------------

@@ -121,3 +121,46 @@ def _worker(job: Job, rank: int):
         if OWN_LOOP_HELD in cmdline and environ.get("RANK") == str(rank):
             return child
     pytest.fail(f"no worker with rank {rank}:\n{job.output()[-3000:]}")
+
+
+# ----- trainbridge train --shard ------------------------------------------------------------------------------
+TRAIN_SHARD = ["-m", "trainbridge.train", "--model", "plaincnn", "--optimizer", "sgd", "--lr", "0.05", "--dataset",
+               "mnist-sample", "--seed", "5", "--epochs", "1", "--max-steps", "20", "--threads", "1", "--no-progress",
+               "--shard"]
+REORDERING = 1e-4  # another world size sums the gradients in another order (tests/test_fault_tolerance.py)
+
+
+def train_shard(nproc, args, restarts=None):
+    extra = [] if restarts is None else [f"--max-restarts={restarts}"]
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra, *TRAIN_SHARD, "--batch-size", "32", *args]
+
+
+@pytest.fixture(scope="module")
+def train_shard_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train_shard")
+    check(run(train_shard(2, ["--output-dir", str(out)]), timeout=240))
+    final = load_final(out)
+    assert final["step"] == 20
+    return final["model"]
+
+
+def test_train_shard_survives_a_crashed_rank_bitwise(tmp_path, train_shard_reference):
+    # Rank 1 exits abruptly before step 13; torchrun restarts both, which resume from the shards of step 10.
+    result = check(run(train_shard(2, ["--checkpoint-every", "5", "--fail-at-step", "13", "--fail-rank", "1",
+                                       "--output-dir", str(tmp_path)], restarts=1), timeout=300))
+    assert "sample 640 of the epoch, step 10" in result.stdout, result.stdout[-3000:]
+    assert (tmp_path / "last.pt" / ".metadata").is_file() and (tmp_path / "previous.pt" / ".metadata").is_file()
+    assert bitwise_equal(load_final(tmp_path)["model"], train_shard_reference)
+
+
+def test_train_shard_resumes_in_one_process(tmp_path, train_shard_reference):
+    check(run(train_shard(2, ["--max-steps", "10", "--output-dir", str(tmp_path)]), timeout=240))
+    # One process with the whole global batch of 64 reads both ranks' shards and continues at sample 640.
+    command = [PYTHON, *TRAIN_SHARD, "--batch-size", "64", "--output-dir", str(tmp_path)]
+    result = check(run(command, timeout=240))
+    assert "written by torch with 2 processes): epoch 1, sample 640 of the epoch, step 10" in result.stdout
+    final = load_final(tmp_path)
+    assert (final["step"], final["world_size"]) == (20, 1)
+    diff = max(
+        (final["model"][k] - train_shard_reference[k]).abs().max().item() for k in train_shard_reference)
+    assert diff < REORDERING, diff

@@ -57,7 +57,7 @@ def test_the_designsafe_guide_lists_the_tasks_own_options():
 
 def test_training_options_come_from_the_declarations():
     assert TRAINING_OPTIONS == ("task", "model", "dataset", "lr", "optimizer", "scheduler", "momentum", "gamma",
-                                "plateau_patience", "scale_lr", "sync_batchnorm", "shard", "seed", "amp", "compression")
+                                "plateau_patience", "scale_lr", "sync_batchnorm", "seed", "amp", "compression")
 
 
 def test_a_tasks_options_arrive_typed_and_another_tasks_are_refused():

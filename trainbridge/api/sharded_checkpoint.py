@@ -143,15 +143,14 @@ def _replace(temporary: str, path: str, keep_previous: Optional[str] = None) -> 
         _remove(aside)
 
 
-def read_rest(path: str, map_location: Any, **read_options: str) -> Dict[str, Any]:
-    """The main rank's ``state.pt`` of the folder ``path`` (read on every rank); ``read_options`` go to
-    :func:`~trainbridge.api.files.read_file` (what to say about a missing or corrupt file)."""
+def read_rest(path: str, map_location: Any) -> Dict[str, Any]:
+    """The main rank's ``state.pt`` of the folder ``path`` (read on every rank)."""
     if not os.path.isfile(os.path.join(path, METADATA)):
         raise UserError(
             f"checkpoint {path} is a folder without {METADATA}: not one written by job.save (or copied in part); "
             f"load another checkpoint"
         )
-    return read_file(os.path.join(path, REST), map_location, **read_options)
+    return read_file(os.path.join(path, REST), map_location)
 
 
 def load_sharded(path: str, rest: Mapping[str, Any], parts: Mapping[str, Part], is_main: bool) -> None:

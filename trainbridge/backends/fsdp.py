@@ -134,11 +134,6 @@ def shard_model(
                 f"checkpoint was loaded into it), which cannot be split over the ranks here; build the optimizer "
                 f"fresh, and load a checkpoint after job.prepare with job.load(path, into={{...}})"
             )
-        if any(group.get("fused") for group in optimizer.param_groups):
-            raise UserError(
-                f"job.prepare(shard=...): the {type(optimizer).__name__} was built with fused=True, whose kernel "
-                f"cannot step sharded (DTensor) parameters; build it without fused (the default foreach kernel does)"
-            )
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     mesh = init_device_mesh(device.type, (world_size,))
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -46,7 +46,6 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ..api.files import CorruptCheckpoint, read_file, state_mismatch
-from ..api.sharded_checkpoint import SHARDED, is_sharded_checkpoint, read_rest
 from ..errors import UserError
 from ..runtime.safe_files import new_file_owner, owner_problem
 from .state import FORMAT, Progress
@@ -169,12 +168,8 @@ def claim_output_dir(output_dir: str, job: "Job") -> None:
 
 
 def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
-    """Load a trainbridge checkpoint; UserError naming the file when it is missing or unreadable.
-
-    A --shard run's checkpoint is a folder: this reads all but its shards (the model and optimizer),
-    which ``job.load`` puts into the prepared model (:func:`trainbridge.training.loop.train`)."""
-    sharded = is_sharded_checkpoint(path)
-    checkpoint = (read_rest if sharded else read_file)(
+    """Load a trainbridge checkpoint; UserError naming the file when it is missing or unreadable."""
+    checkpoint = read_file(
         path,
         map_location,
         missing="check the path, or use --resume auto/never",
@@ -185,7 +180,7 @@ def read_checkpoint(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
             f"checkpoint {path} is not a trainbridge checkpoint (no format tag {FORMAT!r}); "
             f"for weights only, load it with torch.load and --resume never"
         )
-    problems = layout_problems({**{key: {} for key in checkpoint.get(SHARDED, {})}, **checkpoint})
+    problems = layout_problems(checkpoint)
     if problems:
         raise UserError(
             f"checkpoint {path} has the format tag {FORMAT!r} but not its layout ({'; '.join(problems)}): "

@@ -113,12 +113,6 @@ class TrainConfig:
         help="BatchNorm statistics of the whole global batch, not of each rank's share: the model does not "
         "depend on the world size (three small allreduces per BatchNorm layer per training step)",
     )
-    shard: bool = option(
-        False,
-        same_on_resume=True,
-        help="shard the model, its gradients and optimizer state over the ranks (FSDP2, torch backend): each rank "
-        "holds 1/N; checkpoints become folders of every rank's shards (trainbridge export makes one file)",
-    )
     seed: int = option(1, same_on_resume=True)
     deterministic: bool = option(
         False,

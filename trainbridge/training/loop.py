@@ -23,7 +23,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..api import Job
-from ..api.sharded_checkpoint import SHARDED
 from ..errors import UserError
 from ..launch import detect_launch
 from ..tasks import Task, create_task
@@ -47,8 +46,7 @@ def build_optimizer(cfg: TrainConfig, params, world_size: int) -> torch.optim.Op
     # --scale-lr: with N ranks the global batch is N times larger (Goyal et al.).
     lr = cfg.lr * (world_size if cfg.scale_lr else 1)
     params = list(params)
-    # Fused kernels cannot step sharded (DTensor) parameters: --shard keeps torch's foreach kernel.
-    kernels = fused_kernels(cfg.optimizer, params[0].device) if params and not cfg.shard else {}
+    kernels = fused_kernels(cfg.optimizer, params[0].device) if params else {}
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, **kernels)
     if cfg.optimizer == "adam":
@@ -127,7 +125,7 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
     Weights that are no longer finite are never written over a finite checkpoint (every
     rank holds the same weights, so every rank stops here).
     """
-    if not weights_finite(cfg, job, state.model):
+    if not all(torch.isfinite(v).all() for v in state.model.state_dict().values() if v.is_floating_point()):
         raise UserError(
             f"the weights became NaN or infinite by step {state.progress.step}; "
             f"{cfg.output_dir}/{LAST} was not overwritten; lower --lr (now {cfg.lr})",
@@ -139,8 +137,6 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
         world_size=job.world_size,
         batch_size=cfg.batch_size * cfg.accumulate,
     )
-    if cfg.shard:  # the model and optimizer themselves: job.save writes each rank's shards
-        checkpoint.update(model=state.model, optimizer=state.optimizer)
     job.save(
         checkpoint,
         os.path.join(cfg.output_dir, LAST),
@@ -148,16 +144,6 @@ def save_checkpoint(cfg: TrainConfig, job: Job, state: TrainState, best: bool = 
         background=background,
         copies=[os.path.join(cfg.output_dir, BEST)] if best else [],
     )
-
-
-def weights_finite(cfg: TrainConfig, job: Job, model: torch.nn.Module) -> bool:
-    """Whether every weight is finite, the same answer on every rank (with --shard each rank sees its shards)."""
-    values = [v.to_local() if hasattr(v, "to_local") else v for v in model.state_dict().values()]
-    values = [v for v in values if v.is_floating_point()]
-    finite = all(torch.isfinite(v).all() for v in values)
-    if not cfg.shard:
-        return finite  # every rank holds the same weights
-    return job.allreduce(torch.tensor(0.0 if finite else 1.0), "max").item() == 0.0
 
 
 def train(cfg: TrainConfig, job: Job) -> Row:
@@ -193,14 +179,10 @@ def train(cfg: TrainConfig, job: Job) -> Row:
     optimizer = build_optimizer(cfg, task.trainable_parameters(model), job.world_size)
     checkpoint = find_checkpoint(cfg, job)
     progress_ = Progress()
-    # A --shard run's checkpoint holds the model and optimizer as shards: loaded after job.prepare, below.
-    sharded_checkpoint = checkpoint is not None and SHARDED in checkpoint
     if checkpoint is not None:
-        if not sharded_checkpoint:
-            load_model_state(model, checkpoint["model"], checkpoint["path"])  # another model: its keys are named
+        load_model_state(model, checkpoint["model"], checkpoint["path"])  # another model: its keys are named
         check_options(cfg, job, checkpoint)
-        if not sharded_checkpoint:
-            load_keeping_kernels(optimizer, checkpoint["optimizer"])
+        load_keeping_kernels(optimizer, checkpoint["optimizer"])
         progress_ = Progress(**checkpoint["progress"])
     model, optimizer = job.prepare(
         model,
@@ -209,17 +191,13 @@ def train(cfg: TrainConfig, job: Job) -> Row:
         compression=cfg.compression,
         shm_allreduce=cfg.shm_allreduce,
         sync_batchnorm=cfg.sync_batchnorm,
-        shard=cfg.shard,
     )
     scheduler = build_scheduler(cfg, optimizer)  # after job.prepare: schedulers patch optimizer.step
     train_step = TrainStep(task, model, optimizer, job, cfg.batch_size, layout, cfg.compile)
     if checkpoint is not None:
         # The scheduler, the fp16 loss scale it had reached and every rank's random streams
         # (dropout continues with the masks the interrupted run would have drawn).
-        if sharded_checkpoint:  # each rank reads the parts of the saved shards its own shards cover
-            job.load(checkpoint["path"], into={"model": model, "optimizer": optimizer, "scheduler": scheduler})
-        else:
-            job.restore(checkpoint, into={"scheduler": scheduler}, source=checkpoint["path"])
+        job.restore(checkpoint, into={"scheduler": scheduler}, source=checkpoint["path"])
         job.print(
             f"[trainbridge] resuming from {checkpoint['path']} (written by {checkpoint['backend']} with "
             f"{checkpoint['world_size']} processes): epoch {progress_.epoch + 1}, "
@@ -378,7 +356,7 @@ class EpochEnds:
         self.metrics.write(final)
         job.save(
             {
-                "model": job.state_dict(self.model),  # whole, also when sharded: one plain file
+                "model": job.unwrap(self.model).state_dict(),
                 "step": p.step,
                 "epoch": row["epoch"],
                 "backend": job.backend_name,
@@ -408,19 +386,9 @@ class EpochEnds:
         best.pt survives restarts, unlike a copy in memory; every rank reads it from
         the shared output directory once rank 0 has finished writing (the barrier).
         """
+        best = copy.deepcopy(self.job.unwrap(self.model))
         self.job.wait_for_saves()  # best.pt may still be written in the background
         path = os.path.join(self.cfg.output_dir, BEST)
-        if self.cfg.shard:
-            # Built anew and whole on every rank (a copy of a sharded model would be sharded, and its every
-            # forward collective): the report's evaluation runs uneven shares of the sets.
-            best = self.task.build_model(self.cfg).to(self.job.device)
-            if os.path.exists(path):
-                self.job.load(path, into={"model": best})
-            else:
-                best.load_state_dict(self.job.state_dict(self.model))
-            self.job.sync_buffers(best)
-            return best
-        best = copy.deepcopy(self.job.unwrap(self.model))
         if os.path.exists(path):
             best.load_state_dict(read_checkpoint(path)["model"])
         self.job.sync_buffers(best)

@@ -62,6 +62,7 @@ from .sharded_checkpoint import (
     holds_dtensors,
     is_sharded_checkpoint,
     load_sharded,
+    model_stepped_by,
     read_rest,
     save_sharded,
 )
@@ -788,8 +789,7 @@ class Job:
         for key, value in obj.items():
             if not isinstance(value, torch.optim.Optimizer):
                 continue
-            stepped = {id(p) for p in parameters_of(value)}
-            owner = next((m for m in models.values() if stepped <= {id(p) for p in m.parameters()}), None)
+            owner = model_stepped_by(parameters_of(value), models.values())
             if owner is None and holds_dtensors(parameters_of(value)):
                 raise UserError(
                     f"job.save: the optimizer {key!r} steps a sharded model that is not in the state; save the model "
@@ -868,8 +868,7 @@ class Job:
         parts: Dict[str, Part] = {key: (model, None) for key, model in models.items()}
         for key, value in into.items():
             if isinstance(value, torch.optim.Optimizer) and key in kinds and kinds[key] != "model":
-                stepped = {id(p) for p in parameters_of(value)}
-                owner = next((m for m in models.values() if stepped <= {id(p) for p in m.parameters()}), None)
+                owner = model_stepped_by(parameters_of(value), models.values())
                 if owner is None:
                     raise UserError(
                         f"job.load({path!r}): the optimizer {key!r} is loaded with the model it steps; put that model "

@@ -25,7 +25,7 @@ import secrets
 import shutil
 import sys
 import warnings
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -222,6 +222,14 @@ def export_folder(path: str, output: str, key: str = "model") -> int:
     state = loaded[key]
     atomic_save(state, output)
     return len(state)
+
+
+def model_stepped_by(
+    parameters: Sequence[torch.nn.Parameter], models: Iterable[torch.nn.Module]
+) -> Optional[torch.nn.Module]:
+    """The one of ``models`` that holds every one of an optimizer's ``parameters``, or None."""
+    stepped = {id(p) for p in parameters}
+    return next((m for m in models if stepped <= {id(p) for p in m.parameters()}), None)
 
 
 def holds_dtensors(value: Any) -> bool:
